@@ -1,0 +1,119 @@
+// The mok C++ API (DESIGN §1, §9): workspace, schedule, forward, backward, recompute.
+//
+//   mok::LayerShape shape = mok::dsv3_shape(/*ep=*/2);
+//   mok::Config cfg;                                   // documented defaults
+//   auto ws = mok::Workspace::create(shape, cfg, comm, device);
+//   mok::schedule(*ws, topk_idx, stream);              // routing table, on the GPU, no host sync
+//   mok::forward(*ws, {x, topk_w, y}, weights, stream);
+//   mok::backward(*ws, {dy, dx, dtopk_w}, weights, grads, stream);
+//   ws->check();                                       // sync point: turns device-side errors into mok::Error
+//
+// All pointers are device pointers of the calling rank; every rank calls the same sequence.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "mok/config.hpp"
+#include "mok/error.hpp"
+#include "mok/shape.hpp"
+
+struct ncclComm;  // from nccl.h (ncclComm_t is ncclComm*)
+
+namespace mok {
+
+using bf16 = __nv_bfloat16;
+
+// Weights of one rank, bf16, row-major. Routed: this rank's E_local experts.
+struct ExpertWeights {
+  const bf16* gate = nullptr;         // [E_local, I, H]
+  const bf16* up = nullptr;           // [E_local, I, H]
+  const bf16* down = nullptr;         // [E_local, H, I]
+  const bf16* shared_gate = nullptr;  // [I_shared, H]   (nullptr when I_shared = 0)
+  const bf16* shared_up = nullptr;    // [I_shared, H]
+  const bf16* shared_down = nullptr;  // [H, I_shared]
+};
+
+// How weight gradients are delivered: written as bf16, or added into fp32 main-grad buffers.
+enum class GradMode { kWriteBf16 = 0, kAccumulateFp32 = 1 };
+
+// Weight gradients, same shapes as ExpertWeights; element type bf16 or float per `mode`.
+struct WeightGrads {
+  GradMode mode = GradMode::kAccumulateFp32;
+  void* gate = nullptr;
+  void* up = nullptr;
+  void* down = nullptr;
+  void* shared_gate = nullptr;
+  void* shared_up = nullptr;
+  void* shared_down = nullptr;
+};
+
+struct ForwardArgs {
+  const bf16* x = nullptr;       // [T, H]; may be Workspace::x_staging() (zero-copy dispatch)
+  const float* topk_w = nullptr; // [T, K] router weights
+  bf16* y = nullptr;             // [T, H] output
+};
+
+struct BackwardArgs {
+  const bf16* x = nullptr;       // [T, H] the forward input (used when recomputing)
+  const float* topk_w = nullptr; // [T, K]
+  const bf16* dy = nullptr;      // [T, H]
+  bf16* dx = nullptr;            // [T, H]
+  float* dtopk_w = nullptr;      // [T, K]
+};
+
+// What the compiled engine implements; entry points that are not there throw kNotImplemented.
+struct EngineInfo {
+  bool gpu_schedule = false;
+  bool gpu_forward = false;
+  bool gpu_backward = false;
+  const char* description = "";
+};
+EngineInfo engine_info();
+
+// Per-rank state: symmetric NCCL buffers, schedule, saved forward context, error flags.
+class Workspace {
+ public:
+  // `comm` is an NCCL communicator of exactly shape.ep ranks (this rank = its NCCL rank);
+  // `device` the CUDA device it was created on. Collective: every rank calls it.
+  static std::unique_ptr<Workspace> create(const LayerShape& shape, const Config& config,
+                                           ncclComm* comm, int device);
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  const LayerShape& shape() const;
+  const Config& config() const;
+  int rank() const;
+  int device() const;
+  // [T, H] buffer in symmetric memory: write x here and pass it as ForwardArgs::x to skip
+  // the staging copy.
+  bf16* x_staging();
+  // Synchronises the workspace's last stream and throws the first device-side error
+  // (capacity overflow, bad expert id, wait timeout) as mok::Error.
+  void check();
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  explicit Workspace(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Routing table for the next forward/backward: exchanged and derived on the GPU (DESIGN §2.1).
+void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream);
+// y = shared(x) + sum_k topk_w[t,k] * expert_{topk_idx[t,k]}(x[t]); saves the forward context.
+void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights,
+             cudaStream_t stream);
+// dx, d topk_w and weight gradients from dy, using the saved (or recomputed) context.
+void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights,
+              const WeightGrads& grads, cudaStream_t stream);
+// Rebuilds the forward context from x (activation checkpointing) without producing y.
+void recompute_forward_context(Workspace& ws, const ForwardArgs& args,
+                               const ExpertWeights& weights, cudaStream_t stream);
+
+}  // namespace mok

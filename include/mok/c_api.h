@@ -1,0 +1,76 @@
+/* The mok C API: opaque handles and status codes for language bindings.
+ * Mirrors include/mok/api.hpp. Every call returns a mok_status_t; on failure
+ * mok_last_error() gives this thread's message (valid until the next mok call). */
+#ifndef MOK_C_API_H_
+#define MOK_C_API_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  MOK_OK = 0,
+  MOK_INVALID_ARGUMENT = 1,
+  MOK_CAPACITY_OVERFLOW = 2,
+  MOK_NOT_IMPLEMENTED = 3,
+  MOK_CUDA_ERROR = 4,
+  MOK_NCCL_ERROR = 5,
+  MOK_TIMEOUT = 6,
+  MOK_INTERNAL = 7
+} mok_status_t;
+
+typedef struct {
+  int64_t tokens, hidden, intermediate, shared_intermediate, experts;
+  int32_t topk, ep;
+} mok_layer_shape_t;
+
+typedef struct {
+  int32_t comm_sms_forward, comm_sms_backward;
+  int64_t minibatch, macrobatch;
+  double capacity;
+  int32_t grid_sms;
+  double wait_timeout_s;
+} mok_config_t;
+
+typedef struct {
+  const void *gate, *up, *down, *shared_gate, *shared_up, *shared_down; /* bf16 device pointers */
+} mok_expert_weights_t;
+
+typedef struct {
+  int32_t accumulate_fp32; /* 1: add into fp32 buffers; 0: write bf16 */
+  void *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
+} mok_weight_grads_t;
+
+typedef struct mok_workspace* mok_workspace_t;
+typedef void* mok_stream_t;  /* cudaStream_t */
+typedef void* mok_nccl_comm_t; /* ncclComm_t */
+
+const char* mok_last_error(void);
+const char* mok_status_string(mok_status_t status);
+const char* mok_version(void);
+
+/* Fills *config with the documented defaults. */
+mok_status_t mok_config_default(mok_config_t* config);
+mok_status_t mok_validate(const mok_layer_shape_t* shape, const mok_config_t* config);
+
+mok_status_t mok_workspace_create(const mok_layer_shape_t* shape, const mok_config_t* config,
+                                  mok_nccl_comm_t comm, int32_t device, mok_workspace_t* out);
+mok_status_t mok_workspace_destroy(mok_workspace_t ws);
+mok_status_t mok_workspace_check(mok_workspace_t ws);
+
+mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_stream_t stream);
+mok_status_t mok_forward(mok_workspace_t ws, const void* x, const float* topk_w, void* y,
+                         const mok_expert_weights_t* weights, mok_stream_t stream);
+mok_status_t mok_backward(mok_workspace_t ws, const void* x, const float* topk_w, const void* dy,
+                          void* dx, float* dtopk_w, const mok_expert_weights_t* weights,
+                          const mok_weight_grads_t* grads, mok_stream_t stream);
+mok_status_t mok_recompute_forward_context(mok_workspace_t ws, const void* x, const float* topk_w,
+                                           const mok_expert_weights_t* weights,
+                                           mok_stream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOK_C_API_H_ */

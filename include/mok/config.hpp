@@ -1,0 +1,42 @@
+// Config: the knobs of DESIGN §1. Knobs change speed and memory, never results (D2).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mok/shape.hpp"
+
+namespace mok {
+
+struct Config {
+  // SMs of the persistent grid that run communication roles (dispatch/combine).
+  int comm_sms_forward = 16;
+  int comm_sms_backward = 16;
+  // Routed rows per overlap step (GEMMs on a minibatch start once its rows arrived).
+  // 0 = automatic (chosen from the shape). Otherwise a positive multiple of kRowTile.
+  int64_t minibatch = 0;
+  // Routed rows kept resident for backward (ring). 0 = all rows; otherwise a positive
+  // multiple of the minibatch. When a pass has more routed rows, backward recomputes.
+  int64_t macrobatch = 0;
+  // Worst-case share of all routed rows that may land on one rank, as a multiple of the
+  // balanced share T*K. Sizes the receive buffers; exceeding it is a kCapacityOverflow
+  // error, never a silent drop. Values above ep are the same as ep (overflow impossible).
+  double capacity = 2.0;
+  // Persistent grid size in SMs; 0 = every SM of the device.
+  int grid_sms = 0;
+  // Largest time one in-kernel wait may spin before it reports kTimeout.
+  double wait_timeout_s = 10.0;
+
+  // Throws mok::Error(kInvalidArgument) naming the first bad knob.
+  void validate(const LayerShape& shape) const;
+  std::string to_string() const;
+
+  // Real (unpadded) routed rows one rank may receive: ceil(min(capacity, ep) * T * K).
+  int64_t max_rows_per_rank(const LayerShape& shape) const;
+  // Rows of the expert-major receive buffer: the rows above plus per-expert padding to kRowTile.
+  int64_t buffer_rows_per_rank(const LayerShape& shape) const;
+  // The minibatch actually used (resolves 0 = automatic).
+  int64_t effective_minibatch(const LayerShape& shape) const;
+};
+
+}  // namespace mok
