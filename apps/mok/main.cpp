@@ -1,0 +1,73 @@
+// `mok`: the command-line program. `mok --help` lists the subcommands.
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <stdexcept>
+
+#include "cli.hpp"
+#include "mok/error.hpp"
+#include "mok/version.hpp"
+
+namespace {
+
+constexpr const char* kUsage = R"(mok — deterministic fused mixture-of-experts layer (forward + backward)
+
+usage: mok <command> [options]
+
+commands:
+  demo    train a small student MoE layer to match a fixed random teacher layer on
+          synthetic tokens, then train again and check the two runs are bitwise identical
+            --steps N       training steps (default 300)
+            --log-every N   progress line every N steps (default 25)
+            --ep N          expert-parallel ranks (default 2; simulated on the CPU reference,
+                            one GPU each on the GPU engine)
+            --tokens N      tokens per rank per step (default 64)
+            --lr X          Adam learning rate (default 0.003)
+            --seed N        seed of teacher, student and data (default 1)
+            --engine E      auto | cpu | gpu (default auto: the GPU engine when GPUs and the
+                            fused kernels exist, else the CPU reference)
+  bench   time the fused forward on every local GPU (needs the GPU engine)
+  info    what this build contains: engine, GPUs, NCCL
+  help    this text (also --help, -h)
+  version print the version
+
+docs: README.md and docs/ in the source tree.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string cmd = argv[1];
+  std::vector<std::string> rest(argv + 2, argv + argc);
+  try {
+    if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (cmd == "version" || cmd == "--version") {
+      std::printf("mok %s\n", mok::kVersion);
+      return 0;
+    }
+    if (cmd == "info") return mok::cli::run_info();
+    if (cmd == "demo") {
+      return mok::cli::run_demo(mok::cli::Options(
+          rest, {{"steps", "300"}, {"log-every", "25"}, {"ep", "2"}, {"tokens", "64"}, {"lr", "0.003"},
+                 {"seed", "1"}, {"engine", "auto"}}));
+    }
+    if (cmd == "bench") {
+      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"tokens", "0"}}));
+    }
+    std::fprintf(stderr, "mok: unknown command '%s' (expected demo, bench, info, help or version)\n", cmd.c_str());
+    return 2;
+  } catch (const mok::Error& e) {
+    std::fprintf(stderr, "mok %s: error (%s): %s\n", cmd.c_str(), mok::status_name(e.status()), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mok %s: error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  }
+}

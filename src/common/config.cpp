@@ -1,0 +1,84 @@
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "mok/config.hpp"
+#include "mok/error.hpp"
+
+namespace mok {
+namespace {
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+void check_comm_sms(const char* name, int value) {
+  if (value < 1 || value > 128) {
+    throw_invalid(std::string("Config.") + name, "a number of communication SMs in [1, 128]",
+                  std::to_string(value));
+  }
+}
+
+}  // namespace
+
+void Config::validate(const LayerShape& shape) const {
+  shape.validate();
+  check_comm_sms("comm_sms_forward", comm_sms_forward);
+  check_comm_sms("comm_sms_backward", comm_sms_backward);
+  if (grid_sms < 0 || grid_sms > 1024) {
+    throw_invalid("Config.grid_sms", "0 (every SM) or a number of SMs in [1, 1024]", std::to_string(grid_sms));
+  }
+  const int comm = std::max(comm_sms_forward, comm_sms_backward);
+  if (grid_sms != 0 && grid_sms <= comm) {
+    throw_invalid("Config.grid_sms",
+                  "more SMs than the communication SMs (" + std::to_string(comm) + ") so GEMM SMs remain",
+                  std::to_string(grid_sms));
+  }
+  if (minibatch < 0 || minibatch % kRowTile != 0) {
+    throw_invalid("Config.minibatch", "0 (automatic) or a positive multiple of " + std::to_string(kRowTile) + " rows",
+                  std::to_string(minibatch));
+  }
+  const int64_t mb = effective_minibatch(shape);
+  if (macrobatch < 0 || macrobatch % mb != 0) {
+    throw_invalid("Config.macrobatch",
+                  "0 (keep every routed row) or a positive multiple of the minibatch (" + std::to_string(mb) + " rows)",
+                  std::to_string(macrobatch));
+  }
+  if (!std::isfinite(capacity) || capacity < 1.0) {
+    std::ostringstream got;
+    got << capacity;
+    throw_invalid("Config.capacity",
+                  "a finite multiple >= 1.0 of the balanced share T*K of routed rows per rank", got.str());
+  }
+  if (!std::isfinite(wait_timeout_s) || wait_timeout_s <= 0.0 || wait_timeout_s > 3600.0) {
+    std::ostringstream got;
+    got << wait_timeout_s;
+    throw_invalid("Config.wait_timeout_s", "seconds in (0, 3600]", got.str());
+  }
+}
+
+int64_t Config::max_rows_per_rank(const LayerShape& shape) const {
+  const double share = std::min(capacity, static_cast<double>(shape.ep));
+  const int64_t balanced = shape.tokens * shape.topk;
+  const int64_t rows = static_cast<int64_t>(std::ceil(share * static_cast<double>(balanced)));
+  return std::min(rows, balanced * shape.ep);
+}
+
+int64_t Config::buffer_rows_per_rank(const LayerShape& shape) const {
+  return round_up(max_rows_per_rank(shape) + shape.local_experts() * (kRowTile - 1), kRowTile);
+}
+
+int64_t Config::effective_minibatch(const LayerShape& shape) const {
+  if (minibatch > 0) return minibatch;
+  // About eight overlap steps per pass, between one and 32 row tiles each.
+  const int64_t rows = round_up(std::max<int64_t>(shape.tokens * shape.topk / 8, 1), kRowTile);
+  return std::clamp<int64_t>(rows, kRowTile, 32 * kRowTile);
+}
+
+std::string Config::to_string() const {
+  std::ostringstream s;
+  s << "comm_sms_forward=" << comm_sms_forward << " comm_sms_backward=" << comm_sms_backward
+    << " minibatch=" << minibatch << " macrobatch=" << macrobatch << " capacity=" << capacity
+    << " grid_sms=" << grid_sms << " wait_timeout_s=" << wait_timeout_s;
+  return s.str();
+}
+
+}  // namespace mok

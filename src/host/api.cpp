@@ -1,0 +1,62 @@
+// Entry points of include/mok/api.hpp that are not part of the workspace/schedule
+// (src/host/workspace.cpp). The fused GPU forward/backward land with the megakernel layer;
+// until then these entry points refuse with kNotImplemented rather than return wrong numbers.
+#include "mok/api.hpp"
+
+namespace mok {
+
+EngineInfo engine_info() {
+  EngineInfo info;
+  info.gpu_schedule = true;
+  info.gpu_forward = false;
+  info.gpu_backward = false;
+  info.description =
+      "Hopper (sm_90a): GPU schedule, dispatch and combine; fused forward/backward not built yet "
+      "(the CPU reference in src/reference computes the layer)";
+  return info;
+}
+
+namespace {
+
+[[noreturn]] void not_implemented(const char* what) {
+  throw Error(Status::kNotImplemented,
+              std::string("mok::") + what +
+                  ": not implemented yet on the GPU (the fused kernel lands with the megakernel layer); "
+                  "use the CPU reference (src/reference) meanwhile");
+}
+
+void check_forward_args(const Workspace& ws, const ForwardArgs& args, const ExpertWeights& w) {
+  if (args.x == nullptr) throw_invalid("ForwardArgs.x", "a device pointer to [T, H] bf16", "nullptr");
+  if (args.topk_w == nullptr) throw_invalid("ForwardArgs.topk_w", "a device pointer to [T, K] fp32", "nullptr");
+  if (w.gate == nullptr || w.up == nullptr || w.down == nullptr) {
+    throw_invalid("ExpertWeights.gate/up/down", "device pointers to the routed expert weights", "nullptr");
+  }
+  if (ws.shape().has_shared() &&
+      (w.shared_gate == nullptr || w.shared_up == nullptr || w.shared_down == nullptr)) {
+    throw_invalid("ExpertWeights.shared_*", "device pointers (LayerShape.shared_intermediate > 0)", "nullptr");
+  }
+}
+
+}  // namespace
+
+void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights, cudaStream_t) {
+  check_forward_args(ws, args, weights);
+  if (args.y == nullptr) throw_invalid("ForwardArgs.y", "a device pointer to [T, H] bf16", "nullptr");
+  not_implemented("forward");
+}
+
+void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights, const WeightGrads&,
+              cudaStream_t) {
+  check_forward_args(ws, ForwardArgs{args.x, args.topk_w, nullptr}, weights);
+  if (args.dy == nullptr) throw_invalid("BackwardArgs.dy", "a device pointer to [T, H] bf16", "nullptr");
+  if (args.dx == nullptr) throw_invalid("BackwardArgs.dx", "a device pointer to [T, H] bf16", "nullptr");
+  if (args.dtopk_w == nullptr) throw_invalid("BackwardArgs.dtopk_w", "a device pointer to [T, K] fp32", "nullptr");
+  not_implemented("backward");
+}
+
+void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights, cudaStream_t) {
+  check_forward_args(ws, args, weights);
+  not_implemented("recompute_forward_context");
+}
+
+}  // namespace mok

@@ -1,0 +1,152 @@
+// extern "C" mirror of the C++ API: exceptions become status codes + thread-local text.
+#include "mok/c_api.h"
+
+#include <string>
+
+#include "mok/api.hpp"
+#include "mok/version.hpp"
+
+struct mok_workspace {
+  std::unique_ptr<mok::Workspace> ws;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+template <typename F>
+mok_status_t guarded(F&& f) {
+  try {
+    g_last_error.clear();
+    f();
+    return MOK_OK;
+  } catch (const mok::Error& e) {
+    g_last_error = e.what();
+    return static_cast<mok_status_t>(e.status());
+  } catch (const std::exception& e) {
+    g_last_error = std::string("internal error: ") + e.what();
+    return MOK_INTERNAL;
+  } catch (...) {
+    g_last_error = "internal error: unknown exception";
+    return MOK_INTERNAL;
+  }
+}
+
+void require(const void* p, const char* name) {
+  if (p == nullptr) mok::throw_invalid(name, "a non-null pointer", "NULL");
+}
+
+mok::LayerShape to_shape(const mok_layer_shape_t* s) {
+  require(s, "shape");
+  return mok::LayerShape{s->tokens, s->hidden, s->intermediate, s->shared_intermediate, s->experts, s->topk, s->ep};
+}
+
+mok::Config to_config(const mok_config_t* c) {
+  require(c, "config");
+  mok::Config cfg;
+  cfg.comm_sms_forward = c->comm_sms_forward;
+  cfg.comm_sms_backward = c->comm_sms_backward;
+  cfg.minibatch = c->minibatch;
+  cfg.macrobatch = c->macrobatch;
+  cfg.capacity = c->capacity;
+  cfg.grid_sms = c->grid_sms;
+  cfg.wait_timeout_s = c->wait_timeout_s;
+  return cfg;
+}
+
+mok::ExpertWeights to_weights(const mok_expert_weights_t* w) {
+  require(w, "weights");
+  auto b = [](const void* p) { return static_cast<const mok::bf16*>(p); };
+  return mok::ExpertWeights{b(w->gate), b(w->up), b(w->down), b(w->shared_gate), b(w->shared_up), b(w->shared_down)};
+}
+
+mok::Workspace& deref(mok_workspace_t ws) {
+  require(ws, "workspace");
+  return *ws->ws;
+}
+
+cudaStream_t stream_of(mok_stream_t s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+extern "C" {
+
+const char* mok_last_error(void) { return g_last_error.c_str(); }
+
+const char* mok_status_string(mok_status_t status) {
+  return mok::status_name(static_cast<mok::Status>(status));
+}
+
+const char* mok_version(void) { return mok::kVersion; }
+
+mok_status_t mok_config_default(mok_config_t* config) {
+  return guarded([&] {
+    require(config, "config");
+    const mok::Config d;
+    *config = mok_config_t{d.comm_sms_forward, d.comm_sms_backward, d.minibatch, d.macrobatch,
+                           d.capacity,         d.grid_sms,          d.wait_timeout_s};
+  });
+}
+
+mok_status_t mok_validate(const mok_layer_shape_t* shape, const mok_config_t* config) {
+  return guarded([&] { to_config(config).validate(to_shape(shape)); });
+}
+
+mok_status_t mok_workspace_create(const mok_layer_shape_t* shape, const mok_config_t* config,
+                                  mok_nccl_comm_t comm, int32_t device, mok_workspace_t* out) {
+  return guarded([&] {
+    require(out, "out");
+    *out = nullptr;
+    auto ws = mok::Workspace::create(to_shape(shape), to_config(config), static_cast<ncclComm*>(comm), device);
+    *out = new mok_workspace{std::move(ws)};
+  });
+}
+
+mok_status_t mok_workspace_destroy(mok_workspace_t ws) {
+  return guarded([&] { delete ws; });
+}
+
+mok_status_t mok_workspace_check(mok_workspace_t ws) {
+  return guarded([&] { deref(ws).check(); });
+}
+
+mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_stream_t stream) {
+  return guarded([&] { mok::schedule(deref(ws), topk_idx, stream_of(stream)); });
+}
+
+mok_status_t mok_forward(mok_workspace_t ws, const void* x, const float* topk_w, void* y,
+                         const mok_expert_weights_t* weights, mok_stream_t stream) {
+  return guarded([&] {
+    mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<mok::bf16*>(y)};
+    mok::forward(deref(ws), args, to_weights(weights), stream_of(stream));
+  });
+}
+
+mok_status_t mok_backward(mok_workspace_t ws, const void* x, const float* topk_w, const void* dy, void* dx,
+                          float* dtopk_w, const mok_expert_weights_t* weights, const mok_weight_grads_t* grads,
+                          mok_stream_t stream) {
+  return guarded([&] {
+    require(grads, "grads");
+    mok::BackwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<const mok::bf16*>(dy),
+                           static_cast<mok::bf16*>(dx), dtopk_w};
+    mok::WeightGrads g;
+    g.mode = grads->accumulate_fp32 ? mok::GradMode::kAccumulateFp32 : mok::GradMode::kWriteBf16;
+    g.gate = grads->gate;
+    g.up = grads->up;
+    g.down = grads->down;
+    g.shared_gate = grads->shared_gate;
+    g.shared_up = grads->shared_up;
+    g.shared_down = grads->shared_down;
+    mok::backward(deref(ws), args, to_weights(weights), g, stream_of(stream));
+  });
+}
+
+mok_status_t mok_recompute_forward_context(mok_workspace_t ws, const void* x, const float* topk_w,
+                                           const mok_expert_weights_t* weights, mok_stream_t stream) {
+  return guarded([&] {
+    mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, nullptr};
+    mok::recompute_forward_context(deref(ws), args, to_weights(weights), stream_of(stream));
+  });
+}
+
+}  // extern "C"

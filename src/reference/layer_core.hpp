@@ -1,0 +1,120 @@
+// Internal to the reference: the layer written once over Real = float (bf16 rounding at the
+// points of docs/numerics.md) or Real = double (no rounding). Data are held as Real values;
+// in the float variant every stored activation is a bf16 value held exactly in a float.
+//
+// NOTE on fp32 contraction: every dot product of the float variant multiplies two bf16
+// values, whose product is exact in fp32, so a compiler that fuses `acc += a*b` into an FMA
+// produces the same bits. The y epilogue's fmaf is explicit (std::fma).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "mok/config.hpp"
+#include "mok/shape.hpp"
+#include "reference/bf16.hpp"
+#include "reference/layer.hpp"
+#include "reference/schedule.hpp"
+
+namespace mok::ref::detail {
+
+// bf16(v) of numerics.md; the identity in the double variant.
+inline float act(float v) { return round_bf16(v); }
+inline double act(double v) { return v; }
+
+template <class Real>
+Real sigmoid(Real g) {
+  return Real(1) / (Real(1) + std::exp(-g));
+}
+
+// Forward step 2: h = bf16(silu(g) * u), silu(g) = g * sigmoid(g). Backward rebuilds h with
+// this same function, so the rebuilt h is bit-identical.
+template <class Real>
+Real swiglu(Real g, Real u) {
+  return act(g * sigmoid(g) * u);
+}
+
+// Backward step 3 (SwiGLU backward from the saved g, u).
+template <class Real>
+void swiglu_backward(Real dh, Real g, Real u, Real& dg, Real& du) {
+  const Real s = sigmoid(g);
+  dg = act(dh * u * s * (Real(1) + g * (Real(1) - s)));
+  du = act(dh * g * s);
+}
+
+// One expert's weights (routed or shared): gate/up [inter, hidden], down [hidden, inter].
+template <class Real>
+struct MlpWeights {
+  const Real* gate = nullptr;
+  const Real* up = nullptr;
+  const Real* down = nullptr;
+  int64_t inter = 0;
+  int64_t hidden = 0;
+};
+
+// Forward steps 1-3 on n rows x [n, H]: writes g, u [n, I] (saved context) and o [n, H].
+template <class Real>
+void mlp_forward(const MlpWeights<Real>& w, const Real* x, int64_t n, Real* g, Real* u, Real* o,
+                 int threads);
+
+// Backward steps 2-4 on n rows: from dys [n, H] and the saved g, u [n, I], writes
+// dgu [n, 2I] (dg | du, bf16), h [n, I] (rebuilt) and dx [n, H] (bf16).
+template <class Real>
+void mlp_backward(const MlpWeights<Real>& w, const Real* dys, const Real* g, const Real* u,
+                  int64_t n, Real* dgu, Real* h, Real* dx, int threads);
+
+// Weight gradients over the n rows in the given (canonical) order:
+// dgate/dup [I, H] = sum_r dg_r/du_r (x) x_r, ddown [H, I] = sum_r dys_r (x) h_r.
+template <class Real>
+void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dys, const Real* dgu,
+               const Real* h, int64_t n, Real* dgate, Real* dup, Real* ddown, int threads);
+
+// The public element type of a Real variant: bf16 bits for float, double for double.
+template <class Real>
+using PublicElem = std::conditional_t<std::is_same_v<Real, float>, uint16_t, double>;
+
+// The weights as the caller gave them (routed: global [E, ...] view). They are converted to
+// Real one expert at a time, so the reference's memory does not scale with E*I*H in fp32.
+template <class Real>
+struct CoreWeights {
+  const BasicLayerWeights<PublicElem<Real>>* src = nullptr;
+};
+
+// The inputs as Real values.
+template <class Real>
+struct CoreInputs {
+  std::vector<std::vector<Real>> x;
+  const std::vector<std::vector<int32_t>>* topk_idx = nullptr;
+  std::vector<std::vector<Real>> topk_w;
+};
+
+template <class Real>
+BasicForwardResult<Real> forward_core(const LayerShape& shape, const CoreWeights<Real>& w,
+                                      const CoreInputs<Real>& in, Schedule schedule, int threads);
+
+template <class Real>
+BasicGradients<Real, Real> backward_core(const LayerShape& shape, const CoreWeights<Real>& w,
+                                         const CoreInputs<Real>& in,
+                                         const std::vector<std::vector<Real>>& dy,
+                                         const BasicForwardContext<Real>& ctx, int threads);
+
+// DESIGN §2.2: rows of schedule.ranks[rank] copied from their owners' x ([ep][T*H]) into an
+// expert-major [padded_rows, H] buffer; padding rows are zero.
+template <class Elem>
+std::vector<Elem> dispatch(const LayerShape& shape, const RankSchedule& rs,
+                           const std::vector<std::vector<Elem>>& x) {
+  const int64_t H = shape.hidden;
+  std::vector<Elem> buf(static_cast<size_t>(rs.padded_rows * H), Elem(0));
+  for (int64_t p = 0; p < rs.padded_rows; ++p) {
+    const RowRef& row = rs.rows[p];
+    if (row.is_padding()) continue;
+    const Elem* src = x[row.src_rank].data() + row.token * H;
+    std::copy(src, src + H, buf.begin() + p * H);
+  }
+  return buf;
+}
+
+}  // namespace mok::ref::detail

@@ -1,0 +1,127 @@
+// Validation of LayerShape and Config: each bad value gives kInvalidArgument with a message
+// that names the argument and the expected value.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <string>
+
+#include "mok/config.hpp"
+#include "mok/error.hpp"
+#include "mok/shape.hpp"
+
+namespace {
+
+mok::LayerShape good_shape() { return mok::LayerShape{512, 1024, 512, 256, 16, 4, 2}; }
+
+// Runs f, expects mok::Error(kInvalidArgument) whose message contains every fragment.
+template <typename F>
+void expect_invalid(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    FAIL() << "expected mok::Error";
+  } catch (const mok::Error& e) {
+    EXPECT_EQ(e.status(), mok::Status::kInvalidArgument) << e.what();
+    for (const char* frag : fragments) {
+      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << frag << "'";
+    }
+  }
+}
+
+TEST(ShapeValidation, AcceptsTheModelShapes) {
+  for (int ep : {1, 2, 4, 8}) {
+    EXPECT_NO_THROW(mok::dsv3_shape(ep).validate());
+    EXPECT_NO_THROW(mok::qwen3_shape(ep).validate());
+    EXPECT_NO_THROW(mok::gptoss_shape(ep).validate());  // H = I = 2880 = 45 * 64
+  }
+  EXPECT_NO_THROW(good_shape().validate());
+}
+
+TEST(ShapeValidation, HiddenAndIntermediateMultiplesOf64) {
+  auto s = good_shape();
+  s.hidden = 1000;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.hidden", "multiple of 64", "1000"});
+  s = good_shape();
+  s.hidden = 0;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.hidden", "0"});
+  s = good_shape();
+  s.intermediate = 96;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.intermediate", "multiple of 64", "96"});
+  s = good_shape();
+  s.shared_intermediate = 100;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.shared_intermediate", "multiple of 64", "100"});
+  s.shared_intermediate = 0;  // no shared expert is fine
+  EXPECT_NO_THROW(s.validate());
+}
+
+TEST(ShapeValidation, TopKAndExperts) {
+  auto s = good_shape();
+  s.topk = 17;  // K > E
+  expect_invalid([&] { s.validate(); }, {"LayerShape.topk", "17"});
+  s.topk = 0;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.topk", "0"});
+  s = good_shape();
+  s.experts = 15;  // E % ep != 0
+  expect_invalid([&] { s.validate(); }, {"LayerShape.experts", "multiple of ep = 2", "15"});
+  s = good_shape();
+  s.ep = 0;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.ep", "0"});
+  s = good_shape();
+  s.tokens = 0;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.tokens", "0"});
+  s = good_shape();
+  s.tokens = int64_t(1) << 40;
+  expect_invalid([&] { s.validate(); }, {"LayerShape.tokens", "routed rows"});
+}
+
+TEST(ConfigValidation, DefaultsAreValid) {
+  mok::Config c;
+  EXPECT_NO_THROW(c.validate(good_shape()));
+  EXPECT_EQ(c.comm_sms_forward, 16);
+  EXPECT_EQ(c.capacity, 2.0);
+  EXPECT_EQ(c.effective_minibatch(good_shape()) % mok::kRowTile, 0);
+}
+
+TEST(ConfigValidation, BadKnobsNameTheKnob) {
+  const auto s = good_shape();
+  mok::Config c;
+  c.comm_sms_forward = 0;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_forward", "[1, 128]", "0"});
+  c = {};
+  c.comm_sms_backward = 500;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "500"});
+  c = {};
+  c.minibatch = 100;
+  expect_invalid([&] { c.validate(s); }, {"Config.minibatch", "multiple of 128", "100"});
+  c = {};
+  c.minibatch = 256;
+  c.macrobatch = 384;
+  expect_invalid([&] { c.validate(s); }, {"Config.macrobatch", "multiple of the minibatch (256 rows)", "384"});
+  c = {};
+  c.capacity = 0.5;
+  expect_invalid([&] { c.validate(s); }, {"Config.capacity", ">= 1.0", "0.5"});
+  c.capacity = std::numeric_limits<double>::quiet_NaN();
+  expect_invalid([&] { c.validate(s); }, {"Config.capacity", "nan"});
+  c = {};
+  c.grid_sms = 8;  // not more than the 16 communication SMs
+  expect_invalid([&] { c.validate(s); }, {"Config.grid_sms", "8"});
+  c = {};
+  c.grid_sms = -1;
+  expect_invalid([&] { c.validate(s); }, {"Config.grid_sms", "-1"});
+  c = {};
+  c.wait_timeout_s = 0;
+  expect_invalid([&] { c.validate(s); }, {"Config.wait_timeout_s", "0"});
+}
+
+TEST(ConfigValidation, CapacitySizesBuffers) {
+  const auto s = good_shape();  // T*K = 2048 per rank, E_local = 8
+  mok::Config c;
+  c.capacity = 1.5;
+  EXPECT_EQ(c.max_rows_per_rank(s), 3072);
+  // each of the 8 local segments may waste up to 127 padding rows
+  EXPECT_EQ(c.buffer_rows_per_rank(s), (3072 + 8 * 127 + 127) / 128 * 128);
+  c.capacity = 100.0;  // above ep: every routed row of every rank fits, never more
+  EXPECT_EQ(c.max_rows_per_rank(s), 2048 * 2);
+}
+
+}  // namespace
