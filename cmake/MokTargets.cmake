@@ -5,7 +5,7 @@
 function(mok_cuda_options target)
   separate_arguments(_gencode UNIX_COMMAND "${MOK_CUDA_GENCODE}")
   target_compile_options(${target} PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20 ${_gencode} --expt-relaxed-constexpr -lineinfo
+    $<$<COMPILE_LANGUAGE:CUDA>:${_gencode} --expt-relaxed-constexpr -lineinfo
       -Xptxas=--warn-on-spills -Xcompiler=-Wall>)
   set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
 endfunction()

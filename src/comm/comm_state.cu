@@ -1,0 +1,128 @@
+#include "comm/comm_state.hpp"
+
+#include <cmath>
+
+#include "comm/cuda_check.hpp"
+#include "comm/roles.hpp"
+
+namespace mok::comm {
+
+CommState::CommState(const LayerShape& shape, const Config& config, ncclComm_t comm)
+    : shape_(shape), config_(config), comm_(comm), layout_(SymmetricLayout::make(shape)) {
+  window_ = std::make_unique<SymmetricWindow>(comm, layout_.total);
+  schedule_ = std::make_unique<ScheduleBuffers>(shape, config);
+  row_buffer_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(schedule_->buffer_rows) * shape.hidden);
+  counters_ = DeviceBuffer<uint32_t>(schedule_->max_minibatches + schedule_->buffer_rows / kRowTile);
+  syncs_ = DeviceBuffer<GroupSync>(static_cast<size_t>(SyncSite::kCount));
+  error_ = DeviceBuffer<DeviceErrorRecord>(1);
+  MOK_CUDA_CHECK(cudaMemset(syncs_.get(), 0, syncs_.bytes()));
+  MOK_CUDA_CHECK(cudaMemset(counters_.get(), 0, counters_.bytes()));
+  const DeviceErrorRecord clean = clean_error_record();
+  MOK_CUDA_CHECK(cudaMemcpy(error_.get(), &clean, sizeof(clean), cudaMemcpyHostToDevice));
+  // Nothing routed yet: the schedule starts poisoned, so a dispatch before schedule() moves nothing.
+  const ScheduleHeader none{static_cast<int32_t>(Status::kInvalidArgument), 0, -1, -1, 0};
+  MOK_CUDA_CHECK(cudaMemcpy(schedule_->header.get(), &none, sizeof(none), cudaMemcpyHostToDevice));
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+CommState::~CommState() { cudaDeviceSynchronize(); }
+
+WaitContext CommState::wait_context() const {
+  WaitContext w;
+  w.error = error_.get();
+  w.timeout_ns = static_cast<uint64_t>(std::llround(config_.wait_timeout_s * 1e9));
+  w.rank = rank();
+  return w;
+}
+
+void CommState::schedule(const int32_t* topk_idx, cudaStream_t stream) {
+  ScheduleLaunch l;
+  l.shape = shape_;
+  l.peers = peers();
+  l.layout = layout_;
+  l.topk_idx = topk_idx;
+  l.parity = parity_;
+  l.max_rows = config_.max_rows_per_rank(shape_);
+  l.barrier = GroupBarrier{sync(SyncSite::kExchange), layout_.flags, next_epoch()};
+  l.wait = wait_context();
+  parity_ ^= 1;  // the next pass writes the other table while slow peers may still read this one
+  launch_schedule(l, *schedule_, stream);
+}
+
+void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
+  if (x == x_staging()) return;  // zero-copy: the caller wrote x into the window
+  const size_t bytes = static_cast<size_t>(shape_.tokens) * shape_.hidden * sizeof(__nv_bfloat16);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
+}
+
+void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
+  DispatchLaunch l;
+  l.role.peers = peers();
+  l.role.x_offset = layout_.x;
+  l.role.row_bytes = shape_.hidden * 2;
+  l.role.header = schedule_->header.get();
+  l.role.rows = schedule_->rows.get();
+  l.role.row_buffer = reinterpret_cast<char*>(row_buffer_.get());
+  l.role.ready = ready_counters();
+  l.role.tile_done = tile_flags();
+  l.role.tiles_per_minibatch = schedule_->minibatch / kRowTile;
+  l.role.dedup = dedup;
+  l.role.wait = wait_context();
+  l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
+  l.ctas = ctas;
+  l.counters = counters_.get();
+  l.counter_words = counters_.size();
+  launch_dispatch(l, stream);
+}
+
+void CommState::combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream) {
+  CombineLaunch l;
+  l.role.peers = peers();
+  l.role.slots_offset = layout_.slots;
+  l.role.row_bytes = shape_.hidden * 2;
+  l.role.topk = shape_.topk;
+  l.role.header = schedule_->header.get();
+  l.role.rows = schedule_->rows.get();
+  l.role.expert_out = reinterpret_cast<const char*>(expert_out);
+  l.role.wait = wait_context();
+  l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
+  l.ctas = ctas;
+  launch_combine(l, stream);
+}
+
+void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, __nv_bfloat16* y,
+                         cudaStream_t stream) {
+  EpilogueRole r;
+  r.slots = reinterpret_cast<const char*>(slots());
+  r.topk_w = topk_w;
+  r.shared_out = shared_out;
+  r.y = y;
+  r.tokens = shape_.tokens;
+  r.hidden = shape_.hidden;
+  r.topk = shape_.topk;
+  launch_epilogue(r, stream);
+}
+
+std::optional<Error> CommState::take_error(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    return Error(Status::kCudaError, std::string("mok: the workspace's stream failed: ") + cudaGetErrorName(e) +
+                                         " (" + cudaGetErrorString(e) + ")");
+  }
+  DeviceErrorRecord rec{};
+  MOK_CUDA_CHECK(cudaMemcpy(&rec, error_.get(), sizeof(rec), cudaMemcpyDeviceToHost));
+  std::optional<Error> err = describe_device_error(rec, shape_, rank());
+  if (err) {
+    const DeviceErrorRecord clean = clean_error_record();
+    MOK_CUDA_CHECK(cudaMemcpy(error_.get(), &clean, sizeof(clean), cudaMemcpyHostToDevice));
+    return err;
+  }
+  ncclResult_t async = ncclSuccess;
+  MOK_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+  if (async != ncclSuccess) {
+    return Error(Status::kNcclError, std::string("mok: NCCL communicator error: ") + ncclGetErrorString(async));
+  }
+  return std::nullopt;
+}
+
+}  // namespace mok::comm

@@ -1,0 +1,86 @@
+// Everything one rank of the communication layer owns, and its operations on a stream
+// (Workspace::Impl holds one). All operations are collective in the sense that every rank
+// issues the same sequence: each one that synchronises ranks consumes one barrier epoch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "comm/device_buffer.hpp"
+#include "comm/error_record.hpp"
+#include "comm/nccl_window.hpp"
+#include "comm/peer_map.hpp"
+#include "comm/schedule.hpp"
+#include "comm/sync_types.hpp"
+#include "mok/config.hpp"
+#include "mok/error.hpp"
+#include "mok/shape.hpp"
+
+namespace mok::comm {
+
+// Group-barrier sites (one GroupSync each); the fused kernel gets its own range.
+enum class SyncSite : int { kExchange = 0, kDispatchStart = 1, kCombineDone = 2, kFirstFree = 3, kCount = 8 };
+
+class CommState {
+ public:
+  // Collective. The current CUDA device must be the communicator's device.
+  CommState(const LayerShape& shape, const Config& config, ncclComm_t comm);
+  ~CommState();
+  CommState(const CommState&) = delete;
+  CommState& operator=(const CommState&) = delete;
+
+  // ---- operations (stream-ordered, no host sync) ----
+  void schedule(const int32_t* topk_idx, cudaStream_t stream);
+  // x [T, H] into the symmetric staging buffer (nothing to do when x is x_staging()).
+  void stage_x(const __nv_bfloat16* x, cudaStream_t stream);
+  // Barrier (x staged everywhere), then pull every routed row into row_buffer().
+  void dispatch(int ctas, bool dedup, cudaStream_t stream);
+  // Push expert_out [buffer_rows, H] rows to their slots, then barrier.
+  void combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream);
+  // y = bf16(fmaf chain over k), after combine.
+  void epilogue(const float* topk_w, const __nv_bfloat16* shared_out, __nv_bfloat16* y, cudaStream_t stream);
+  // Synchronises `stream`, returns (and clears) the first device-side error.
+  std::optional<Error> take_error(cudaStream_t stream);
+
+  // ---- accessors ----
+  const LayerShape& shape() const { return shape_; }
+  const Config& config() const { return config_; }
+  int rank() const { return window_->peers().rank; }
+  const PeerMap& peers() const { return window_->peers(); }
+  const SymmetricLayout& layout() const { return layout_; }
+  ScheduleView view() const { return schedule_->view(); }
+  const ScheduleBuffers& schedule_buffers() const { return *schedule_; }
+  ScheduleBuffers& schedule_buffers() { return *schedule_; }
+  __nv_bfloat16* x_staging() const { return reinterpret_cast<__nv_bfloat16*>(window_->local() + layout_.x); }
+  const __nv_bfloat16* slots() const { return reinterpret_cast<const __nv_bfloat16*>(window_->local() + layout_.slots); }
+  char* window_local() const { return window_->local(); }
+  __nv_bfloat16* row_buffer() const { return row_buffer_.get(); }
+  uint32_t* ready_counters() const { return counters_.get(); }  // [max_minibatches]
+  uint32_t* tile_flags() const { return counters_.get() + schedule_->max_minibatches; }
+  GroupSync* sync(SyncSite site) const { return syncs_.get() + static_cast<int>(site); }
+  DeviceErrorRecord* error_record() const { return error_.get(); }
+  WaitContext wait_context() const;
+  // Next barrier epoch (host counter; identical on every rank that issues the same calls).
+  uint64_t next_epoch() { return ++epoch_; }
+
+ private:
+  LayerShape shape_;
+  Config config_;
+  ncclComm_t comm_;
+  SymmetricLayout layout_;
+  std::unique_ptr<SymmetricWindow> window_;
+  std::unique_ptr<ScheduleBuffers> schedule_;
+  DeviceBuffer<__nv_bfloat16> row_buffer_;
+  DeviceBuffer<uint32_t> counters_;
+  DeviceBuffer<GroupSync> syncs_;
+  DeviceBuffer<DeviceErrorRecord> error_;
+  uint64_t epoch_ = 0;
+  int parity_ = 0;
+};
+
+}  // namespace mok::comm

@@ -1,0 +1,38 @@
+// mok::Workspace::Impl: the per-rank state behind the public Workspace (include/mok/api.hpp).
+// The communication layer's CommState holds the symmetric NCCL window, the schedule, the
+// dispatch row buffer and the device error record; later layers (megakernel) add their
+// buffers here.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <memory>
+
+#include "comm/comm_state.hpp"
+#include "mok/api.hpp"
+
+namespace mok {
+
+struct Workspace::Impl {
+  LayerShape shape;
+  Config config;
+  int device = 0;
+  ncclComm_t comm = nullptr;
+  std::unique_ptr<comm::CommState> state;
+  cudaStream_t last_stream = nullptr;  // the stream check() synchronises
+};
+
+// Makes `device` current for the scope (API calls may come from any thread/device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace mok

@@ -1,0 +1,447 @@
+// Shared harness of the communication-layer GPU tests (test_comm*.cu): routing patterns, one
+// persistent set of rank threads per EP size (launch mode (a)), the full pipeline of one rank
+// (schedule -> dispatch -> combine -> epilogue) and its bitwise verification against the CPU
+// reference schedule (pure data movement: every byte is predicted exactly).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/comm_state.hpp"
+#include "comm/cuda_check.hpp"
+#include "host/workspace_impl.hpp"
+#include "mok/api.hpp"
+#include "mok/bootstrap.hpp"
+#include "reference/bf16.hpp"
+#include "reference/schedule.hpp"
+
+namespace mok::test {
+
+inline int gpu_count() { return bootstrap::local_device_count(); }
+
+#define MOK_REQUIRE_GPUS(n)                                                                          \
+  do {                                                                                               \
+    if (::mok::test::gpu_count() < (n)) {                                                            \
+      GTEST_SKIP() << "needs " << (n) << " GPU(s) (one per EP rank), found " << ::mok::test::gpu_count() \
+                   << ": not run";                                                                   \
+    }                                                                                                \
+  } while (0)
+
+// ---- routing patterns ---------------------------------------------------------------------------
+enum class Pattern {
+  kUniform,      // K distinct experts uniformly at random
+  kOneExpert,    // expert 0 in every token (all tokens to one expert), the rest random
+  kFewExperts,   // every 4th expert only: many empty experts on every rank
+  kOneRank,      // only rank 0's experts: rank 0 receives every row (needs capacity >= ep)
+};
+
+inline std::vector<std::vector<int32_t>> make_routing(const LayerShape& s, Pattern p, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t pool = p == Pattern::kFewExperts ? std::max<int64_t>(s.topk, s.experts / 4)
+                       : p == Pattern::kOneRank  ? s.local_experts()
+                                                 : s.experts;
+  std::vector<std::vector<int32_t>> idx(s.ep, std::vector<int32_t>(s.tokens * s.topk));
+  std::vector<int32_t> perm(pool);
+  for (int r = 0; r < s.ep; ++r) {
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      for (int64_t i = 0; i < pool; ++i) perm[i] = static_cast<int32_t>(i);
+      for (int k = 0; k < s.topk; ++k) {  // partial Fisher-Yates: K distinct ids
+        const int64_t j = k + static_cast<int64_t>(rng() % (pool - k));
+        std::swap(perm[k], perm[j]);
+      }
+      if (p == Pattern::kOneExpert) {
+        bool has0 = false;
+        for (int k = 0; k < s.topk; ++k) has0 |= perm[k] == 0;
+        if (!has0) perm[rng() % s.topk] = 0;
+      }
+      const int64_t spread = p == Pattern::kFewExperts ? s.experts / pool : 1;  // used experts on every rank
+      for (int k = 0; k < s.topk; ++k) idx[r][t * s.topk + k] = static_cast<int32_t>(perm[k] * spread);
+    }
+  }
+  return idx;
+}
+
+// Random finite, non-zero bf16 values in [-2, -1/64] u [1/64, 2].
+inline std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> mag(1.0f / 64, 2.0f);
+  std::vector<uint16_t> v(n);
+  for (auto& e : v) e = ref::to_bf16((rng() & 1) ? mag(rng) : -mag(rng));
+  return v;
+}
+
+// ---- rank threads (launch mode (a)), kept alive across tests -----------------------------------
+class RankPool {
+ public:
+  using Task = std::function<void(bootstrap::LocalRank&)>;
+
+  static RankPool& get(int ep) {
+    static std::mutex mu;
+    static std::vector<std::unique_ptr<RankPool>> pools(kMaxEp + 1);
+    std::lock_guard<std::mutex> lock(mu);
+    if (!pools[ep]) pools[ep] = std::unique_ptr<RankPool>(new RankPool(ep));
+    return *pools[ep];
+  }
+
+  // Runs task on every rank thread; rethrows the first failure after all returned.
+  void run(const Task& task) {
+    std::unique_lock<std::mutex> lock(mu_);
+    task_ = task;
+    done_ = 0;
+    error_ = nullptr;
+    ++generation_;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return done_ == ep_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  // Host barrier among the rank threads (after each synchronised its stream). Gives up after
+  // two minutes (a rank that failed never arrives) instead of hanging the test binary.
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t round = barrier_round_;
+    if (++barrier_count_ == ep_) {
+      barrier_count_ = 0;
+      ++barrier_round_;
+      cv_.notify_all();
+    } else if (!cv_.wait_for(lock, std::chrono::minutes(2), [&] { return barrier_round_ != round; })) {
+      throw Error(Status::kTimeout, "test host barrier: a rank thread never arrived (it failed earlier)");
+    }
+  }
+
+  ~RankPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      ++generation_;
+      cv_.notify_all();
+    }
+    if (driver_.joinable()) driver_.join();
+  }
+
+ private:
+  explicit RankPool(int ep) : ep_(ep) {
+    std::vector<int> devices(ep);
+    for (int i = 0; i < ep; ++i) devices[i] = i;
+    driver_ = std::thread([this, devices] {
+      bootstrap::run_local_ranks(devices, [this](bootstrap::LocalRank& r) { serve(r); });
+    });
+  }
+
+  void serve(bootstrap::LocalRank& r) {
+    uint64_t seen = 0;
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+        task = task_;
+      }
+      std::exception_ptr err;
+      try {
+        task(r);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (err && !error_) error_ = err;
+      if (++done_ == ep_) cv_.notify_all();
+    }
+  }
+
+  int ep_;
+  std::thread driver_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  Task task_;
+  uint64_t generation_ = 0;
+  int done_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  int barrier_count_ = 0;
+  uint64_t barrier_round_ = 0;
+};
+
+// ---- one test case --------------------------------------------------------------------------------
+struct CommCase {
+  std::string name;
+  LayerShape shape;
+  Config config;
+  Pattern pattern = Pattern::kUniform;
+  uint64_t seed = 1;
+  bool zero_copy = false;    // write x straight into Workspace::x_staging()
+  bool with_shared = true;   // epilogue starts from a shared-expert output
+};
+
+struct DispatchVariant {
+  int ctas;
+  bool dedup;
+};
+inline const std::vector<DispatchVariant>& dispatch_variants() {
+  static const std::vector<DispatchVariant> v{{16, false}, {16, true}, {1, true}, {3, false}, {5, true}};
+  return v;
+}
+inline const std::vector<int>& combine_variants() {
+  static const std::vector<int> v{16, 1, 7};
+  return v;
+}
+
+struct RankInputs {
+  std::vector<int32_t> topk;
+  std::vector<uint16_t> x, shared, expert_out;
+  std::vector<float> w;
+};
+
+struct RankOutputs {
+  comm::ScheduleHeader header{};
+  std::vector<int64_t> offset, count, mb;
+  std::vector<comm::RowEntry> rows, rows_again;
+  std::vector<int32_t> dest;
+  std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant: [padded_rows, H]
+  std::vector<std::vector<uint16_t>> slots;       // per combine variant: [T, K, H]
+  std::vector<uint16_t> y, y_again;
+};
+
+inline RankInputs make_inputs(const CommCase& c, const std::vector<std::vector<int32_t>>& routing, int rank) {
+  const LayerShape& s = c.shape;
+  RankInputs in;
+  in.topk = routing[rank];
+  const uint64_t seed = c.seed * 1000 + rank;
+  in.x = random_bf16(s.tokens * s.hidden, seed + 11);
+  in.shared = random_bf16(s.tokens * s.hidden, seed + 13);
+  in.expert_out = random_bf16(c.config.buffer_rows_per_rank(s) * s.hidden, seed + 17);
+  std::mt19937_64 rng(seed + 19);
+  std::uniform_real_distribution<float> w(-1.0f, 1.0f);
+  in.w.resize(s.tokens * s.topk);
+  for (auto& v : in.w) v = w(rng);
+  return in;
+}
+
+template <class T>
+std::vector<T> download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  if (n > 0) MOK_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+template <class T>
+comm::DeviceBuffer<T> upload(const std::vector<T>& h) {
+  comm::DeviceBuffer<T> d(h.size());
+  if (!h.empty()) MOK_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Poisons every schedule output (0xAB bytes) so a row the GPU never wrote cannot pass.
+inline void poison_schedule(const comm::ScheduleBuffers& b) {
+  MOK_CUDA_CHECK(cudaMemset(b.header.get(), 0xAB, b.header.bytes()));
+  MOK_CUDA_CHECK(cudaMemset(b.expert_offset.get(), 0xAB, b.expert_offset.bytes()));
+  MOK_CUDA_CHECK(cudaMemset(b.expert_rows.get(), 0xAB, b.expert_rows.bytes()));
+  MOK_CUDA_CHECK(cudaMemset(b.rows.get(), 0xAB, b.rows.bytes()));
+  MOK_CUDA_CHECK(cudaMemset(b.dest_row.get(), 0xAB, b.dest_row.bytes()));
+  MOK_CUDA_CHECK(cudaMemset(b.minibatch_ranges.get(), 0xAB, b.minibatch_ranges.bytes()));
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+inline void download_schedule(const comm::CommState& st, RankOutputs& out) {
+  const comm::ScheduleBuffers& b = st.schedule_buffers();
+  MOK_CUDA_CHECK(cudaMemcpy(&out.header, b.header.get(), sizeof(out.header), cudaMemcpyDeviceToHost));
+  out.offset = download(b.expert_offset.get(), b.expert_offset.size());
+  out.count = download(b.expert_rows.get(), b.expert_rows.size());
+  out.rows = download(b.rows.get(), b.rows.size());
+  out.dest = download(b.dest_row.get(), b.dest_row.size());
+  out.mb = download(b.minibatch_ranges.get(), b.minibatch_ranges.size());
+}
+
+// The whole pipeline on one rank. `sync_ranks` = every rank's stream idle, then a host barrier
+// (needed only where the test poisons a buffer that peers write into).
+inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t comm, int device,
+                            const std::function<void()>& sync_ranks) {
+  const LayerShape& s = c.shape;
+  auto ws = Workspace::create(s, c.config, comm, device);
+  comm::CommState& st = *ws->impl().state;
+  cudaStream_t stream = nullptr;
+  MOK_CUDA_CHECK(cudaStreamCreate(&stream));  // blocking: ordered after the legacy-stream copies below
+  RankOutputs out;
+  auto d_topk = upload(in.topk);
+  auto d_x = upload(in.x);
+  auto d_shared = upload(in.shared);
+  auto d_out = upload(in.expert_out);
+  auto d_w = upload(in.w);
+  comm::DeviceBuffer<uint16_t> d_y(s.tokens * s.hidden);
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+
+  poison_schedule(st.schedule_buffers());
+  schedule(*ws, d_topk.get(), stream);
+  ws->check();
+  download_schedule(st, out);
+  schedule(*ws, d_topk.get(), stream);  // D1: a second run gives the same rows
+  ws->check();
+  out.rows_again = download(st.schedule_buffers().rows.get(), st.schedule_buffers().rows.size());
+
+  const int64_t padded = std::max<int64_t>(out.header.padded_rows, 0);
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(d_x.get());
+  if (c.zero_copy) {
+    MOK_CUDA_CHECK(cudaMemcpy(ws->x_staging(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+    x = ws->x_staging();
+  }
+  for (const DispatchVariant& v : dispatch_variants()) {
+    MOK_CUDA_CHECK(cudaMemsetAsync(st.row_buffer(), 0xFF, st.schedule_buffers().buffer_rows * s.hidden * 2, stream));
+    st.stage_x(x, stream);
+    st.dispatch(v.ctas, v.dedup, stream);
+    ws->check();
+    out.dispatched.push_back(download(reinterpret_cast<const uint16_t*>(st.row_buffer()), padded * s.hidden));
+  }
+  const size_t slot_elems = static_cast<size_t>(s.tokens) * s.topk * s.hidden;
+  for (int ctas : combine_variants()) {
+    MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
+    st.combine(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), ctas, stream);
+    ws->check();
+    out.slots.push_back(download(reinterpret_cast<const uint16_t*>(st.slots()), slot_elems));
+  }
+  const __nv_bfloat16* shared = c.with_shared ? reinterpret_cast<const __nv_bfloat16*>(d_shared.get()) : nullptr;
+  auto* y = reinterpret_cast<__nv_bfloat16*>(d_y.get());
+  for (int rep = 0; rep < 2; ++rep) {
+    MOK_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, d_y.bytes(), stream));
+    st.epilogue(d_w.get(), shared, y, stream);
+    ws->check();
+    (rep == 0 ? out.y : out.y_again) = download(d_y.get(), d_y.size());
+  }
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  sync_ranks();  // nobody tears its window down while a peer may still touch it
+  ws.reset();
+  MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+  return out;
+}
+
+// ---- verification ---------------------------------------------------------------------------------
+// Index of the first differing element, or -1.
+template <class T>
+int64_t first_mismatch(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+inline void expect_schedule(const CommCase& c, const ref::Schedule& ref,
+                            const std::vector<std::vector<int32_t>>& routing, int r, const RankOutputs& o) {
+  const LayerShape& s = c.shape;
+  const ref::RankSchedule& rs = ref.ranks[r];
+  const std::string who = c.name + " rank " + std::to_string(r);
+  ASSERT_EQ(o.header.status, 0) << who;
+  EXPECT_EQ(o.header.real_rows, rs.real_rows) << who;
+  ASSERT_EQ(o.header.padded_rows, rs.padded_rows) << who;
+  EXPECT_EQ(first_mismatch(o.offset, rs.expert_offset), -1) << who << ": expert_offset";
+  EXPECT_EQ(first_mismatch(o.count, rs.expert_rows), -1) << who << ": expert_rows";
+  for (int64_t i = 0; i < static_cast<int64_t>(o.rows.size()); ++i) {
+    const comm::RowEntry& g = o.rows[i];
+    const ref::RowRef want = i < rs.padded_rows ? rs.rows[i] : ref::RowRef{};
+    if (g.src_rank != want.src_rank || g.token != want.token || g.k != want.k) {
+      ADD_FAILURE() << who << ": first mismatching row " << i << ": GPU (" << g.src_rank << ", " << g.token << ", "
+                    << g.k << "), reference (" << want.src_rank << ", " << want.token << ", " << want.k << ")";
+      break;
+    }
+  }
+  EXPECT_EQ(first_mismatch(o.rows, o.rows_again), -1) << who << ": schedule not bitwise repeatable";
+  // dest_row: this rank's row of every source entry; -1 where another rank owns the expert.
+  for (int src = 0; src < s.ep; ++src) {
+    for (int64_t j = 0; j < s.tokens * s.topk; ++j) {
+      const bool ours = s.owner_rank(routing[src][j]) == r;
+      const int64_t want = ours ? ref.dest_row[src][j] : -1;
+      const int32_t got = o.dest[src * s.tokens * s.topk + j];
+      if (got != want) {
+        ADD_FAILURE() << who << ": dest_row[src " << src << "][" << j << "] = " << got << ", expected " << want;
+        return;
+      }
+    }
+  }
+  // Minibatch ranges and dedup links follow from the reference rows.
+  const int64_t mb = c.config.effective_minibatch(s);
+  const int64_t max_mb = static_cast<int64_t>(o.mb.size() / 3);
+  for (int64_t m = 0; m < max_mb; ++m) {
+    const int64_t begin = std::min(m * mb, rs.padded_rows), end = std::min(begin + mb, rs.padded_rows);
+    int64_t real = 0;
+    for (int64_t i = begin; i < end; ++i) real += rs.rows[i].is_padding() ? 0 : 1;
+    EXPECT_EQ(o.mb[m], begin) << who << ": minibatch " << m << " begin";
+    EXPECT_EQ(o.mb[max_mb + m], end) << who << ": minibatch " << m << " end";
+    EXPECT_EQ(o.mb[2 * max_mb + m], real) << who << ": minibatch " << m << " real rows";
+  }
+  EXPECT_EQ(o.header.num_minibatches, (rs.padded_rows + mb - 1) / mb) << who;
+  // Dedup link: the token's first row on this rank (lowest local expert), -1 for that row itself.
+  for (int64_t i = 0; i < rs.padded_rows; ++i) {
+    const ref::RowRef& row = rs.rows[i];
+    int64_t first = i;
+    if (!row.is_padding()) {
+      for (int k = 0; k < s.topk; ++k) {
+        const int64_t j = static_cast<int64_t>(row.token) * s.topk + k;
+        if (s.owner_rank(routing[row.src_rank][j]) == r) first = std::min(first, ref.dest_row[row.src_rank][j]);
+      }
+    }
+    const int32_t want = row.is_padding() || first == i ? -1 : static_cast<int32_t>(first);
+    if (o.rows[i].copy_from != want) {
+      ADD_FAILURE() << who << ": row " << i << " copy_from " << o.rows[i].copy_from << ", expected " << want;
+      break;
+    }
+  }
+}
+
+inline void expect_data(const CommCase& c, const ref::Schedule& ref, const std::vector<RankInputs>& in,
+                        int r, const RankOutputs& o) {
+  const LayerShape& s = c.shape;
+  const int64_t H = s.hidden;
+  const ref::RankSchedule& rs = ref.ranks[r];
+  const std::string who = c.name + " rank " + std::to_string(r);
+  // Dispatch: row i holds x_src[token] bits, padding rows are zero.
+  std::vector<uint16_t> want(rs.padded_rows * H, 0);
+  for (int64_t i = 0; i < rs.padded_rows; ++i) {
+    const ref::RowRef& row = rs.rows[i];
+    if (!row.is_padding()) std::memcpy(&want[i * H], &in[row.src_rank].x[row.token * H], H * 2);
+  }
+  for (size_t v = 0; v < o.dispatched.size(); ++v) {
+    const int64_t bad = first_mismatch(o.dispatched[v], want);
+    EXPECT_EQ(bad, -1) << who << ": dispatch variant (ctas " << dispatch_variants()[v].ctas << ", dedup "
+                       << dispatch_variants()[v].dedup << ") first mismatch at row " << bad / H << " col " << bad % H;
+  }
+  // Combine: slot (t, k) of rank r holds the owner's expert output row dest_row[r][t*K+k].
+  std::vector<uint16_t> slots(s.tokens * s.topk * H);
+  for (int64_t j = 0; j < s.tokens * s.topk; ++j) {
+    const int owner = s.owner_rank(in[r].topk[j]);
+    std::memcpy(&slots[j * H], &in[owner].expert_out[ref.dest_row[r][j] * H], H * 2);
+  }
+  for (size_t v = 0; v < o.slots.size(); ++v) {
+    const int64_t bad = first_mismatch(o.slots[v], slots);
+    EXPECT_EQ(bad, -1) << who << ": combine variant (ctas " << combine_variants()[v] << ") first mismatch at slot "
+                       << bad / H << " col " << bad % H;
+  }
+  // Epilogue (docs/numerics.md): acc = shared or 0; acc = fmaf(w, slot, acc) for k = 0..K-1.
+  std::vector<uint16_t> y(s.tokens * H);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    for (int64_t j = 0; j < H; ++j) {
+      float acc = c.with_shared ? ref::from_bf16(in[r].shared[t * H + j]) : 0.0f;
+      for (int k = 0; k < s.topk; ++k) {
+        acc = std::fmaf(in[r].w[t * s.topk + k], ref::from_bf16(slots[(t * s.topk + k) * H + j]), acc);
+      }
+      y[t * H + j] = ref::to_bf16(acc);
+    }
+  }
+  const int64_t bad = first_mismatch(o.y, y);
+  EXPECT_EQ(bad, -1) << who << ": epilogue first mismatch at token " << bad / H << " col " << bad % H;
+  EXPECT_EQ(first_mismatch(o.y, o.y_again), -1) << who << ": epilogue not bitwise repeatable";
+}
+
+}  // namespace mok::test
