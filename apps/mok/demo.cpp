@@ -5,10 +5,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include "cli.hpp"
+#include "gpu_layer.hpp"
 #include "mok/api.hpp"
 #include "reference/bf16.hpp"
 #include "reference/layer.hpp"
@@ -123,8 +126,12 @@ struct RunResult {
   Params student;
 };
 
+// One training run. With `gpu`, the forward runs on the GPUs (the staged mok forward) and the
+// backward on the CPU reference (no GPU backward yet), which recomputes its own context.
 RunResult train(const LayerShape& shape, const Config& cfg, int64_t steps, int64_t log_every, double lr,
-                uint64_t seed, bool verbose) {
+                uint64_t seed, bool gpu, bool verbose) {
+  std::unique_ptr<GpuLayer> gpu_layer;
+  if (gpu) gpu_layer = std::make_unique<GpuLayer>(shape, cfg);
   std::mt19937_64 rng(seed);
   const Params teacher = random_params(shape, rng, 1.0);
   const ref::LayerWeights teacher_w = to_weights(teacher);
@@ -137,21 +144,28 @@ RunResult train(const LayerShape& shape, const Config& cfg, int64_t steps, int64
     const ref::LayerInputs batch = make_batch(shape, router, rng);
     const ref::LayerWeights w = to_weights(run.student);
     const ref::ForwardResult target = ref::forward(shape, cfg, teacher_w, batch);
-    const ref::ForwardResult out = ref::forward(shape, cfg, w, batch);
+    std::optional<ref::ForwardResult> cpu_out;
+    std::vector<std::vector<uint16_t>> y;
+    if (gpu_layer) {
+      y = gpu_layer->forward(w, batch);
+    } else {
+      cpu_out = ref::forward(shape, cfg, w, batch);
+      y = cpu_out->y;
+    }
     // loss = mean squared error over every output element of every rank.
     double loss = 0;
     std::vector<std::vector<uint16_t>> dy(shape.ep);
     for (int r = 0; r < shape.ep; ++r) {
-      dy[r].resize(out.y[r].size());
-      for (size_t i = 0; i < out.y[r].size(); ++i) {
-        const double d = double(from_bf16(out.y[r][i])) - double(from_bf16(target.y[r][i]));
+      dy[r].resize(y[r].size());
+      for (size_t i = 0; i < y[r].size(); ++i) {
+        const double d = double(from_bf16(y[r][i])) - double(from_bf16(target.y[r][i]));
         loss += d * d;
         dy[r][i] = to_bf16(float(2.0 * d / n_out));
       }
     }
     loss /= n_out;
     run.losses.push_back(loss);
-    const ref::Gradients g = ref::backward(shape, cfg, w, batch, dy, &out.ctx);
+    const ref::Gradients g = ref::backward(shape, cfg, w, batch, dy, cpu_out ? &cpu_out->ctx : nullptr);
     const std::vector<float> sg = sum_over_ranks(g.shared_dgate), su = sum_over_ranks(g.shared_dup),
                              sd = sum_over_ranks(g.shared_ddown);
     adam.update(run.student, {&g.dgate, &g.dup, &g.ddown, &sg, &su, &sd});
@@ -178,11 +192,14 @@ bool bitwise_equal(const RunResult& a, const RunResult& b) {
 }
 
 // Which engine computes the layer, and why (printed so the user always knows).
-bool choose_gpu(const std::string& engine, std::string& why) {
+bool choose_gpu(const std::string& engine, std::string& why, int& gpus) {
   const EngineInfo info = engine_info();
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  const bool gpu_ok = gpus > 0 && info.gpu_forward && info.gpu_backward;
+  gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();
+    gpus = 0;
+  }
+  const bool gpu_ok = gpus > 0 && info.gpu_forward;
   if (engine == "cpu") {
     why = "CPU reference (--engine cpu)";
     return false;
@@ -190,17 +207,17 @@ bool choose_gpu(const std::string& engine, std::string& why) {
   if (engine == "gpu" && !gpu_ok) {
     throw Error(Status::kNotImplemented,
                 std::string("--engine gpu: ") +
-                    (gpus == 0 ? "no CUDA GPU is visible" : "this build has no fused GPU forward/backward yet") +
+                    (gpus == 0 ? "no CUDA GPU is visible" : "this build has no GPU forward") +
                     "; use --engine cpu or auto");
   }
   if (engine != "gpu" && engine != "auto") throw_invalid("--engine", "auto, cpu or gpu", engine);
   if (gpu_ok) {
-    why = "GPU (" + std::to_string(gpus) + " device(s))";
+    why = std::string("GPU forward (mok staged forward, one GPU per rank); backward on the CPU reference ") +
+          (info.gpu_backward ? "" : "(no GPU backward yet)");
     return true;
   }
   why = gpus == 0 ? "CPU reference (no CUDA GPU visible)"
-                  : "CPU reference (the fused GPU forward/backward are not built yet; " + std::to_string(gpus) +
-                        " GPU(s) visible)";
+                  : "CPU reference (this build has no GPU forward; " + std::to_string(gpus) + " GPU(s) visible)";
   return false;
 }
 
@@ -211,24 +228,28 @@ int run_demo(const Options& opts) {
   const int64_t log_every = opts.integer("log-every", 1, 1000000);
   const double lr = opts.real("lr", 1e-7, 1.0);
   const uint64_t seed = static_cast<uint64_t>(opts.integer("seed", 0, INT64_MAX));
-  LayerShape shape{opts.integer("tokens", 1, 1 << 20), /*H*/ 128, /*I*/ 64, /*I_shared*/ 64, /*E*/ 8, /*K*/ 2,
-                   static_cast<int>(opts.integer("ep", 1, kMaxEp))};
+  std::string why;
+  int gpus = 0;
+  const bool gpu = choose_gpu(opts.str("engine"), why, gpus);
+  // ep: as asked; by default every GPU (one rank each) on the GPU engine, 2 simulated ranks on the CPU.
+  int ep = static_cast<int>(opts.integer("ep", 0, kMaxEp));
+  if (ep == 0) ep = gpu ? gpus : 2;
+  if (gpu && ep > gpus) {
+    throw_invalid("--ep", "at most the " + std::to_string(gpus) + " visible GPU(s) on the GPU engine", std::to_string(ep));
+  }
+  LayerShape shape{opts.integer("tokens", 1, 1 << 20), /*H*/ 128, /*I*/ 64, /*I_shared*/ 64, /*E*/ 8, /*K*/ 2, ep};
   if (shape.experts % shape.ep != 0) shape.experts = shape.ep * std::max<int64_t>(1, 8 / shape.ep);
   Config cfg;
   cfg.capacity = shape.ep;  // the demo's random router is unbalanced: never overflow
   cfg.validate(shape);
-
-  std::string why;
-  const bool gpu = choose_gpu(opts.str("engine"), why);
-  (void)gpu;  // the GPU training path lands with the fused forward/backward
   std::printf("mok demo: student MoE layer regressing a fixed random teacher layer\n");
   std::printf("  layer  : %s\n", shape.to_string().c_str());
   std::printf("  engine : %s\n", why.c_str());
   std::printf("  run 1  : %lld steps, Adam lr %g, seed %llu\n", static_cast<long long>(steps), lr,
               static_cast<unsigned long long>(seed));
-  const RunResult first = train(shape, cfg, steps, log_every, lr, seed, true);
+  const RunResult first = train(shape, cfg, steps, log_every, lr, seed, gpu, true);
   std::printf("  run 2  : same seed, same steps (checking determinism)\n");
-  const RunResult second = train(shape, cfg, steps, log_every, lr, seed, false);
+  const RunResult second = train(shape, cfg, steps, log_every, lr, seed, gpu, false);
   const bool same = bitwise_equal(first, second);
   std::printf("final loss: %.6f (first step %.6f, %.1fx lower)\n", first.losses.back(), first.losses.front(),
               first.losses.front() / std::max(first.losses.back(), 1e-300));

@@ -19,13 +19,14 @@ commands:
           synthetic tokens, then train again and check the two runs are bitwise identical
             --steps N       training steps (default 300)
             --log-every N   progress line every N steps (default 25)
-            --ep N          expert-parallel ranks (default 2; simulated on the CPU reference,
-                            one GPU each on the GPU engine)
-            --tokens N      tokens per rank per step (default 64)
-            --lr X          Adam learning rate (default 0.003)
+            --ep N          expert-parallel ranks (default 0 = every GPU on the GPU engine,
+                            2 simulated ranks on the CPU reference)
+            --tokens N      tokens per rank per step (default 128)
+            --lr X          Adam learning rate (default 0.006)
             --seed N        seed of teacher, student and data (default 1)
-            --engine E      auto | cpu | gpu (default auto: the GPU engine when GPUs and the
-                            fused kernels exist, else the CPU reference)
+            --engine E      auto | cpu | gpu (default auto: the GPU forward when a GPU is
+                            visible, else the CPU reference; the backward runs on the CPU
+                            reference until the GPU backward exists)
   bench   time the fused forward on every local GPU (needs the GPU engine)
   info    what this build contains: engine, GPUs, NCCL
   help    this text (also --help, -h)
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
     if (cmd == "info") return mok::cli::run_info();
     if (cmd == "demo") {
       return mok::cli::run_demo(mok::cli::Options(
-          rest, {{"steps", "300"}, {"log-every", "25"}, {"ep", "2"}, {"tokens", "64"}, {"lr", "0.003"},
+          rest, {{"steps", "300"}, {"log-every", "25"}, {"ep", "0"}, {"tokens", "128"}, {"lr", "0.006"},
                  {"seed", "1"}, {"engine", "auto"}}));
     }
     if (cmd == "bench") {

@@ -58,6 +58,8 @@ struct KeyParams {
   int rank;
   uint32_t* keys;
   uint32_t* vals;
+  unsigned long long* owner_rows;  // [ep] routed rows each rank receives (zeroed before)
+  int ep;
   DeviceErrorRecord* error;
 };
 
@@ -66,9 +68,7 @@ __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind 
          (static_cast<unsigned long long>(kind) << 32) | static_cast<uint32_t>(value);
 }
 
-__global__ void __launch_bounds__(kThreads) key_kernel(const KeyParams p) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= p.entries) return;
+__device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owner_count) {
   const int32_t id = p.table[i];
   const int k = static_cast<int>(i % p.topk);
   bool ok = id >= 0 && id < p.experts;
@@ -84,9 +84,25 @@ __global__ void __launch_bounds__(kThreads) key_kernel(const KeyParams p) {
     }
   }
   const int64_t owner = ok ? id / p.local_experts : -1;
+  if (ok) atomicAdd(&owner_count[owner], 1u);
   p.keys[i] = owner == p.rank ? static_cast<uint32_t>(id - owner * p.local_experts)
                               : static_cast<uint32_t>(p.local_experts);
   p.vals[i] = static_cast<uint32_t>(i);
+}
+
+// Every rank counts the rows of EVERY rank (it holds the global table), so a capacity
+// overflow anywhere poisons every rank's schedule: a rank whose tokens went to an overflowing
+// peer must not return a y missing their contributions. Integer atomics count, never place.
+__global__ void __launch_bounds__(kThreads) key_kernel(const KeyParams p) {
+  __shared__ unsigned int owner_count[kMaxEp];
+  for (int d = threadIdx.x; d < p.ep; d += blockDim.x) owner_count[d] = 0;
+  __syncthreads();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < p.entries) key_one(p, i, owner_count);
+  __syncthreads();
+  for (int d = threadIdx.x; d < p.ep; d += blockDim.x) {
+    if (owner_count[d] != 0) atomicAdd(&p.owner_rows[d], static_cast<unsigned long long>(owner_count[d]));
+  }
 }
 
 // ---- 4. segments ---------------------------------------------------------------------------
@@ -101,6 +117,8 @@ struct SegmentParams {
   int64_t* expert_rows;
   int64_t* segment_begin;   // first sorted entry of each local expert
   int64_t* mb;              // [3][max_minibatches]
+  const unsigned long long* owner_rows;  // [ep] routed rows of every rank
+  int ep;
   DeviceErrorRecord* error;
 };
 
@@ -176,9 +194,21 @@ __global__ void __launch_bounds__(kSegmentThreads) segment_kernel(const SegmentP
     int32_t s = static_cast<int32_t>(Status::kOk);
     if (p.error->routing_key != kNoRoutingError) {
       s = static_cast<int32_t>(Status::kInvalidArgument);
-    } else if (real > p.max_rows || running > p.buffer_rows) {
-      s = static_cast<int32_t>(Status::kCapacityOverflow);
-      record_error(p.error, s, 0, p.rank, p.max_rows, real);
+    } else {
+      // Any rank over capacity (lowest first) fails every rank; padding cannot overflow the
+      // buffer once the real rows fit (buffer_rows_per_rank adds the worst-case padding).
+      for (int d = 0; d < p.ep; ++d) {
+        const int64_t rows_d = static_cast<int64_t>(p.owner_rows[d]);
+        if (rows_d > p.max_rows) {
+          s = static_cast<int32_t>(Status::kCapacityOverflow);
+          record_error(p.error, s, 0, d, p.max_rows, rows_d);
+          break;
+        }
+      }
+      if (s == static_cast<int32_t>(Status::kOk) && running > p.buffer_rows) {
+        s = static_cast<int32_t>(Status::kCapacityOverflow);
+        record_error(p.error, s, 0, p.rank, p.max_rows, real);
+      }
     }
     status = s;
     p.header->status = s;
@@ -279,7 +309,8 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
       keys_in(dest_row.size()),
       keys_out(dest_row.size()),
       vals_in(dest_row.size()),
-      vals_out(dest_row.size()) {
+      vals_out(dest_row.size()),
+      owner_rows(shape.ep) {
   buffer_rows = config.buffer_rows_per_rank(shape);
   minibatch = config.effective_minibatch(shape);
   max_minibatches = ceil_div(buffer_rows, minibatch);
@@ -318,8 +349,9 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   MOK_CUDA_CHECK(cudaGetLastError());
 
   const int32_t* table = reinterpret_cast<const int32_t*>(l.peers.base[rank] + l.layout.topk[l.parity]);
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.owner_rows.get(), 0, b.owner_rows.bytes(), stream));
   KeyParams kp{table, b.entries, s.topk, s.experts, s.local_experts(), rank,
-               b.keys_in.get(), b.vals_in.get(), l.wait.error};
+               b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error};
   key_kernel<<<grid_for(b.entries, kThreads), kThreads, 0, stream>>>(kp);
   MOK_CUDA_CHECK(cudaGetLastError());
 
@@ -330,7 +362,7 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
 
   SegmentParams sp{b.keys_out.get(), b.entries, s.local_experts(), l.max_rows, b.buffer_rows, b.minibatch,
                    b.max_minibatches, rank, b.header.get(), b.expert_offset.get(), b.expert_rows.get(),
-                   b.segment_begin.get(), b.minibatch_ranges.get(), l.wait.error};
+                   b.segment_begin.get(), b.minibatch_ranges.get(), b.owner_rows.get(), s.ep, l.wait.error};
   segment_kernel<<<1, kSegmentThreads, 0, stream>>>(sp);
   MOK_CUDA_CHECK(cudaGetLastError());
 

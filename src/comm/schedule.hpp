@@ -9,7 +9,8 @@
 //   3. a stable CUB radix sort of (key, entry index): entries of each local expert end up in
 //      global token order, which is the canonical order; placement never uses atomics;
 //   4. segments: per-expert counts by binary search in the sorted keys, padded to kRowTile,
-//      offsets by a block prefix sum; capacity check; per-minibatch ranges;
+//      offsets by a block prefix sum; capacity check of EVERY rank (so all ranks fail
+//      together); per-minibatch ranges;
 //   5. rows: each buffer row's (src_rank, token, k), the owner row of each global entry;
 //   6. dedup links: the first row (lowest local expert) of each token on this rank, which the
 //      dedup dispatch pulls over NVLink once; later rows of the token copy it locally.
@@ -75,6 +76,7 @@ class ScheduleBuffers {
   DeviceBuffer<int32_t> dest_row;
   DeviceBuffer<int64_t> minibatch_ranges;  // [3][max_minibatches]: begin, end, real rows
   DeviceBuffer<uint32_t> keys_in, keys_out, vals_in, vals_out;
+  DeviceBuffer<unsigned long long> owner_rows;  // [ep] routed rows of every rank (capacity check)
   DeviceBuffer<unsigned char> sort_temp;
   int64_t buffer_rows = 0, minibatch = 0, max_minibatches = 0, entries = 0;
   int key_bits = 1;

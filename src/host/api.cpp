@@ -1,6 +1,8 @@
 // Entry points of include/mok/api.hpp that are not part of the workspace/schedule
-// (src/host/workspace.cpp). The fused GPU forward/backward land with the megakernel layer;
-// until then these entry points refuse with kNotImplemented rather than return wrong numbers.
+// (src/host/workspace.cpp). The forward runs the staged GPU path (src/megakernel); the GPU
+// backward is not built yet and refuses with kNotImplemented rather than return wrong numbers.
+#include "host/workspace_impl.hpp"
+#include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
 
 namespace mok {
@@ -8,11 +10,11 @@ namespace mok {
 EngineInfo engine_info() {
   EngineInfo info;
   info.gpu_schedule = true;
-  info.gpu_forward = false;
+  info.gpu_forward = true;
   info.gpu_backward = false;
   info.description =
-      "Hopper (sm_90a): GPU schedule, dispatch and combine; fused forward/backward not built yet "
-      "(the CPU reference in src/reference computes the layer)";
+      "Hopper (sm_90a): GPU schedule, dispatch, grouped GEMMs and combine as a staged forward; "
+      "no GPU backward yet (the CPU reference in src/reference computes it)";
   return info;
 }
 
@@ -39,10 +41,18 @@ void check_forward_args(const Workspace& ws, const ForwardArgs& args, const Expe
 
 }  // namespace
 
-void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights, cudaStream_t) {
+void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights, cudaStream_t stream) {
   check_forward_args(ws, args, weights);
   if (args.y == nullptr) throw_invalid("ForwardArgs.y", "a device pointer to [T, H] bf16", "nullptr");
-  not_implemented("forward");
+  Workspace::Impl& impl = ws.impl();
+  DeviceGuard guard(impl.device);
+  megakernel::StagedForwardOptions options;
+  options.dispatch_ctas = impl.config.comm_sms_forward;
+  options.combine_ctas = impl.config.comm_sms_forward;
+  options.gemm_grid = impl.config.grid_sms;
+  options.timeout_s = impl.config.wait_timeout_s;
+  megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);
+  impl.last_stream = stream;
 }
 
 void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights, const WeightGrads&,

@@ -40,6 +40,7 @@ Workspace::Workspace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Workspace::~Workspace() {
   if (impl_ && impl_->state) {
     DeviceGuard guard(impl_->device);
+    impl_->forward.reset();
     impl_->state.reset();
   }
 }
@@ -55,6 +56,7 @@ std::unique_ptr<Workspace> Workspace::create(const LayerShape& shape, const Conf
   impl->device = device;
   impl->comm = comm;
   impl->state = std::make_unique<comm::CommState>(shape, config, comm);
+  impl->forward = std::make_unique<megakernel::ForwardBuffers>(shape, config, impl->state->view().buffer_rows);
   return std::unique_ptr<Workspace>(new Workspace(std::move(impl)));
 }
 
@@ -67,6 +69,7 @@ bf16* Workspace::x_staging() { return impl_->state->x_staging(); }
 void Workspace::check() {
   DeviceGuard guard(impl_->device);
   if (auto err = impl_->state->take_error(impl_->last_stream)) throw *err;
+  megakernel::check_gemm_errors(*impl_->forward, impl_->last_stream);
 }
 
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream) {

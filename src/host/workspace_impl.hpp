@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "comm/comm_state.hpp"
+#include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
 
 namespace mok {
@@ -20,6 +21,7 @@ struct Workspace::Impl {
   int device = 0;
   ncclComm_t comm = nullptr;
   std::unique_ptr<comm::CommState> state;
+  std::unique_ptr<megakernel::ForwardBuffers> forward;  // GEMM buffers and saved context
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

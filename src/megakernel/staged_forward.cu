@@ -1,0 +1,125 @@
+#include "megakernel/staged_forward.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "comm/cuda_check.hpp"
+#include "gemm/grouped_gemm.hpp"
+
+namespace mok::megakernel {
+namespace {
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// The GEMM engine takes int32 segment tables; the schedule keeps int64. A poisoned schedule
+// (routing error, capacity overflow) becomes empty segments, so the GEMMs read nothing stale.
+__global__ void segments_from_schedule(const comm::ScheduleHeader* header, const int64_t* offset64,
+                                       const int64_t* rows64, int experts, int32_t* offset32, int32_t* rows32) {
+  const bool ok = header->status == 0;
+  for (int e = threadIdx.x; e <= experts; e += blockDim.x) {
+    offset32[e] = ok ? static_cast<int32_t>(offset64[e]) : 0;
+    if (e < experts) rows32[e] = ok ? static_cast<int32_t>(rows64[e]) : 0;
+  }
+}
+
+// y is NaN (0xFFFF) whenever the schedule was poisoned: never silently wrong.
+__global__ void poison_if_failed(const comm::ScheduleHeader* header, uint4* y, int64_t vecs) {
+  if (header->status == 0) return;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+}
+
+gemm::Launch gemm_launch(ForwardBuffers& b, const StagedForwardOptions& o) {
+  gemm::Launch l;
+  l.grid = o.gemm_grid;
+  l.error_flag = b.gemm_error.get();
+  l.timeout_s = o.timeout_s;
+  return l;
+}
+
+void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeights& w, const bf16* rows,
+                      const StagedForwardOptions& o, cudaStream_t stream) {
+  const gemm::Launch launch = gemm_launch(b, o);
+  if (s.has_shared()) {  // first, as in the fused kernel (hides the dispatch there)
+    const gemm::Segments seg{b.shared_offsets.get(), b.shared_rows_dev.get(), 1, b.shared_rows};
+    gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, b.shared_x.get(), w.shared_gate, w.shared_up,
+                        b.shared_h.get(), b.shared_g.get(), b.shared_u.get()},
+                       launch, stream);
+    gemm::gemm2({seg, s.hidden, s.shared_intermediate, b.shared_h.get(), w.shared_down, b.shared_out.get()}, launch,
+                stream);
+  }
+  const gemm::Segments seg{b.seg_offsets.get(), b.seg_rows.get(), static_cast<int>(s.local_experts()),
+                           b.buffer_rows};
+  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), b.g.get(), b.u.get()}, launch,
+                     stream);
+  gemm::gemm2({seg, s.hidden, s.intermediate, b.h.get(), w.down, b.expert_out.get()}, launch, stream);
+}
+
+}  // namespace
+
+ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows)
+    : buffer_rows(rows),
+      shared_rows(round_up(s.tokens, kRowTile)),
+      seg_offsets(s.local_experts() + 1),
+      seg_rows(s.local_experts()),
+      shared_offsets(2),
+      shared_rows_dev(1),
+      h(rows * s.intermediate),
+      g(rows * s.intermediate),
+      u(rows * s.intermediate),
+      expert_out(rows * s.hidden),
+      shared_x(s.has_shared() ? shared_rows * s.hidden : 0),
+      shared_h(shared_rows * s.shared_intermediate),
+      shared_g(shared_rows * s.shared_intermediate),
+      shared_u(shared_rows * s.shared_intermediate),
+      shared_out(s.has_shared() ? shared_rows * s.hidden : 0),
+      gemm_error(1) {
+  const int32_t off[2] = {0, static_cast<int32_t>(shared_rows)};
+  const int32_t real = static_cast<int32_t>(s.tokens);
+  MOK_CUDA_CHECK(cudaMemcpy(shared_offsets.get(), off, sizeof(off), cudaMemcpyHostToDevice));
+  MOK_CUDA_CHECK(cudaMemcpy(shared_rows_dev.get(), &real, sizeof(real), cudaMemcpyHostToDevice));
+  if (s.has_shared()) MOK_CUDA_CHECK(cudaMemset(shared_x.get(), 0, shared_x.bytes()));  // padding rows stay 0
+  MOK_CUDA_CHECK(cudaMemset(gemm_error.get(), 0, gemm_error.bytes()));
+}
+
+void forward_gemms_only(comm::CommState& state, ForwardBuffers& b, const ExpertWeights& w,
+                        const StagedForwardOptions& o, cudaStream_t stream) {
+  run_expert_gemms(state.shape(), b, w, state.row_buffer(), o, stream);
+}
+
+void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
+                    const StagedForwardOptions& o, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const comm::ScheduleView view = state.view();
+  segments_from_schedule<<<1, 256, 0, stream>>>(view.header, view.expert_offset, view.expert_rows,
+                                                 static_cast<int>(s.local_experts()), b.seg_offsets.get(),
+                                                 b.seg_rows.get());
+  MOK_CUDA_CHECK(cudaGetLastError());
+  state.stage_x(args.x, stream);
+  if (s.has_shared()) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(b.shared_x.get(), args.x, s.tokens * s.hidden * sizeof(bf16),
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
+  state.dispatch(o.dispatch_ctas, o.dedup, stream);
+  run_expert_gemms(s, b, w, state.row_buffer(), o, stream);
+  state.combine(b.expert_out.get(), o.combine_ctas, stream);
+  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, args.y, stream);
+  const int64_t vecs = s.tokens * s.hidden * 2 / 16;
+  poison_if_failed<<<static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 1024)), 256, 0, stream>>>(
+      view.header, reinterpret_cast<uint4*>(args.y), vecs);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void check_gemm_errors(ForwardBuffers& b, cudaStream_t stream) {
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  uint32_t bits = 0;
+  MOK_CUDA_CHECK(cudaMemcpy(&bits, b.gemm_error.get(), sizeof(bits), cudaMemcpyDeviceToHost));
+  if (bits != 0) {
+    MOK_CUDA_CHECK(cudaMemset(b.gemm_error.get(), 0, sizeof(bits)));
+    throw Error(Status::kTimeout, "grouped GEMM reported error bits 0x" + std::to_string(bits) +
+                                      " (an in-kernel pipeline wait timed out; see docs/gemm.md)");
+  }
+}
+
+}  // namespace mok::megakernel

@@ -1,0 +1,55 @@
+// The staged GPU forward: the steps of DESIGN §2 as consecutive stream-ordered launches
+// (schedule -> dispatch -> shared expert -> GEMM1+SwiGLU -> GEMM2 -> combine -> top-k sum),
+// no host synchronisation. It is the first correct GPU forward, the "GEMMs alone" yardstick
+// of the fused kernel, and computes exactly what the fused kernel computes (same roles, same
+// GEMM kernels), so its bits are the fused kernel's bits.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "comm/comm_state.hpp"
+#include "comm/device_buffer.hpp"
+#include "mok/api.hpp"
+
+namespace mok::megakernel {
+
+// Buffers of the forward pass beyond the communication layer's, sized once per workspace.
+struct ForwardBuffers {
+  ForwardBuffers(const LayerShape& shape, const Config& config, int64_t buffer_rows);
+
+  int64_t buffer_rows = 0;       // rows of the expert-major buffer (multiple of kRowTile)
+  int64_t shared_rows = 0;       // T rounded up to kRowTile (shared expert row buffer)
+  comm::DeviceBuffer<int32_t> seg_offsets, seg_rows;        // [E_local + 1], [E_local] for the GEMMs
+  comm::DeviceBuffer<int32_t> shared_offsets, shared_rows_dev;  // one segment of T rows
+  comm::DeviceBuffer<bf16> h, g, u;                         // [buffer_rows, I]; g, u: saved context
+  comm::DeviceBuffer<bf16> expert_out;                      // [buffer_rows, H]
+  comm::DeviceBuffer<bf16> shared_x;                        // [shared_rows, H], padding rows zero
+  comm::DeviceBuffer<bf16> shared_h, shared_g, shared_u;    // [shared_rows, I_shared]
+  comm::DeviceBuffer<bf16> shared_out;                      // [shared_rows, H]
+  comm::DeviceBuffer<uint32_t> gemm_error;                  // GEMM error bits (gemm::ErrorBit)
+};
+
+struct StagedForwardOptions {
+  int dispatch_ctas = 16;
+  int combine_ctas = 16;
+  bool dedup = false;   // pull a token once per rank (bitwise the same rows)
+  int gemm_grid = 0;    // persistent GEMM CTAs; 0 = every SM
+  double timeout_s = 10.0;
+};
+
+// One forward pass on `stream` after mok::schedule(). Writes y; g, u (and shared g, u) and
+// the combine slots stay in the buffers as the saved context.
+void staged_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
+                    const ExpertWeights& weights, const StagedForwardOptions& options, cudaStream_t stream);
+
+// Only the expert GEMMs of the pass (shared + routed GEMM1 and GEMM2) on the rows already in
+// the buffers: the "GEMMs alone" time of the benchmark.
+void forward_gemms_only(comm::CommState& state, ForwardBuffers& buffers, const ExpertWeights& weights,
+                        const StagedForwardOptions& options, cudaStream_t stream);
+
+// Throws the first GEMM error recorded since the last call (after synchronising `stream`).
+void check_gemm_errors(ForwardBuffers& buffers, cudaStream_t stream);
+
+}  // namespace mok::megakernel

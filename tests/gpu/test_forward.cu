@@ -1,0 +1,299 @@
+// The GPU forward (mok::schedule + mok::forward) against the CPU reference, on 1 and 2 GPUs:
+// accuracy within the numerics tolerance on fresh random inputs with y poisoned first, and
+// the determinism contract bitwise: D1 (repeats), D2 (knobs), D3 (ep = 1 vs 2), plus the
+// error paths (capacity overflow, bad expert id) that must poison y and raise mok::Error.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "test_comm_harness.cuh"
+#include "reference/layer.hpp"
+
+namespace mok::test {
+namespace {
+
+// Device copy of one rank's share of the layer.
+struct RankData {
+  comm::DeviceBuffer<bf16> x, y, gate, up, down, sgate, sup, sdown;
+  comm::DeviceBuffer<int32_t> idx;
+  comm::DeviceBuffer<float> w;
+};
+
+template <class T>
+comm::DeviceBuffer<T> upload(const T* src, size_t n) {
+  comm::DeviceBuffer<T> d(n);
+  if (n) MOK_CUDA_CHECK(cudaMemcpy(d.get(), src, n * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+comm::DeviceBuffer<bf16> upload_bf16(const uint16_t* src, size_t n) {
+  comm::DeviceBuffer<bf16> d(n);
+  if (n) MOK_CUDA_CHECK(cudaMemcpy(d.get(), src, n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<uint16_t> randn_bf16(size_t n, double stddev, std::mt19937_64& rng) {
+  std::normal_distribution<double> d(0.0, stddev);
+  std::vector<uint16_t> v(n);
+  for (auto& e : v) e = ref::to_bf16(static_cast<float>(d(rng)));
+  return v;
+}
+
+struct Problem {
+  LayerShape shape;
+  ref::LayerWeights weights;
+  ref::LayerInputs inputs;
+};
+
+// Global inputs over `ep` ranks: weights scaled so activations stay O(1).
+Problem make_problem(const LayerShape& s, Pattern pattern, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Problem p{s, {}, {}};
+  const size_t E = s.experts, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;
+  p.weights.gate = randn_bf16(E * I * H, 1.0 / std::sqrt(double(H)), rng);
+  p.weights.up = randn_bf16(E * I * H, 1.0 / std::sqrt(double(H)), rng);
+  p.weights.down = randn_bf16(E * H * I, 1.0 / std::sqrt(double(I)), rng);
+  p.weights.shared_gate = randn_bf16(S * H, 1.0 / std::sqrt(double(H)), rng);
+  p.weights.shared_up = randn_bf16(S * H, 1.0 / std::sqrt(double(H)), rng);
+  p.weights.shared_down = randn_bf16(H * S, S ? 1.0 / std::sqrt(double(S)) : 0.0, rng);
+  p.inputs.topk_idx = make_routing(s, pattern, seed + 1);
+  std::uniform_real_distribution<float> wd(0.05f, 1.0f);
+  for (int r = 0; r < s.ep; ++r) {
+    p.inputs.x.push_back(randn_bf16(size_t(s.tokens) * H, 1.0, rng));
+    std::vector<float> w(size_t(s.tokens) * s.topk);
+    for (auto& v : w) v = wd(rng);
+    p.inputs.topk_w.push_back(std::move(w));
+  }
+  return p;
+}
+
+// The same global batch re-split over another EP size (token order preserved).
+Problem resplit(const Problem& p, int ep) {
+  Problem q = p;
+  q.shape.ep = ep;
+  q.shape.tokens = p.shape.tokens * p.shape.ep / ep;
+  const size_t H = p.shape.hidden, K = p.shape.topk, T = q.shape.tokens;
+  std::vector<uint16_t> x;
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+  for (int r = 0; r < p.shape.ep; ++r) {
+    x.insert(x.end(), p.inputs.x[r].begin(), p.inputs.x[r].end());
+    idx.insert(idx.end(), p.inputs.topk_idx[r].begin(), p.inputs.topk_idx[r].end());
+    w.insert(w.end(), p.inputs.topk_w[r].begin(), p.inputs.topk_w[r].end());
+  }
+  q.inputs = {};
+  for (int r = 0; r < ep; ++r) {
+    q.inputs.x.emplace_back(x.begin() + r * T * H, x.begin() + (r + 1) * T * H);
+    q.inputs.topk_idx.emplace_back(idx.begin() + r * T * K, idx.begin() + (r + 1) * T * K);
+    q.inputs.topk_w.emplace_back(w.begin() + r * T * K, w.begin() + (r + 1) * T * K);
+  }
+  return q;
+}
+
+RankData upload_rank(const Problem& p, int rank) {
+  const LayerShape& s = p.shape;
+  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts()), first = rank * el;
+  RankData d;
+  d.x = upload_bf16(p.inputs.x[rank].data(), p.inputs.x[rank].size());
+  d.y = comm::DeviceBuffer<bf16>(size_t(s.tokens) * s.hidden);
+  d.gate = upload_bf16(p.weights.gate.data() + first * per, el * per);
+  d.up = upload_bf16(p.weights.up.data() + first * per, el * per);
+  d.down = upload_bf16(p.weights.down.data() + first * per, el * per);
+  d.sgate = upload_bf16(p.weights.shared_gate.data(), p.weights.shared_gate.size());
+  d.sup = upload_bf16(p.weights.shared_up.data(), p.weights.shared_up.size());
+  d.sdown = upload_bf16(p.weights.shared_down.data(), p.weights.shared_down.size());
+  d.idx = upload(p.inputs.topk_idx[rank].data(), p.inputs.topk_idx[rank].size());
+  d.w = upload(p.inputs.topk_w[rank].data(), p.inputs.topk_w[rank].size());
+  return d;
+}
+
+// Runs `repeats` forwards per config on every rank; returns y [config][repeat][rank] (bf16 bits).
+// y is poisoned (0xFF = NaN) before every pass, so an unwritten element cannot pass.
+using Outputs = std::vector<std::vector<std::vector<std::vector<uint16_t>>>>;
+Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeats) {
+  const LayerShape& s = p.shape;
+  Outputs out(configs.size(), std::vector<std::vector<std::vector<uint16_t>>>(repeats, std::vector<std::vector<uint16_t>>(s.ep)));
+  RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    cudaStream_t stream;
+    MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    for (size_t c = 0; c < configs.size(); ++c) {
+      auto ws = Workspace::create(s, configs[c], r.comm, r.device);
+      for (int i = 0; i < repeats; ++i) {
+        MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), stream));
+        schedule(*ws, d.idx.get(), stream);
+        forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, stream);
+        ws->check();
+        auto& y = out[c][i][r.rank];
+        y.resize(d.y.size());
+        MOK_CUDA_CHECK(cudaMemcpy(y.data(), d.y.get(), d.y.bytes(), cudaMemcpyDeviceToHost));
+      }
+    }
+    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+  });
+  return out;
+}
+
+double rel_norm(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = ref::from_bf16(a[i]), y = ref::from_bf16(b[i]);
+    if (!std::isfinite(x)) return INFINITY;  // NaN / unwritten never passes
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+::testing::AssertionResult same_bits(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes " << a.size() << " vs " << b.size();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) {
+      return ::testing::AssertionFailure() << "first mismatch at element " << i << ": 0x" << std::hex << a[i]
+                                           << " vs 0x" << b[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+Config default_config(const LayerShape& s) {
+  Config c;
+  c.capacity = s.ep;  // skewed patterns may send everything to one rank
+  return c;
+}
+
+struct Case {
+  const char* name;
+  LayerShape shape;  // ep filled in per test
+  Pattern pattern;
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> v{
+      {"uniform_shared", {300, 256, 128, 128, 8, 2, 1}, Pattern::kUniform},
+      {"topk1_no_shared", {200, 128, 192, 0, 4, 1, 1}, Pattern::kUniform},
+      {"topk8", {130, 192, 64, 64, 16, 8, 1}, Pattern::kUniform},
+      {"one_expert_per_rank", {257, 128, 128, 64, 2, 1, 1}, Pattern::kUniform},
+      {"all_to_one_expert", {200, 128, 128, 0, 8, 2, 1}, Pattern::kOneExpert},
+      {"empty_experts", {256, 128, 128, 64, 16, 2, 1}, Pattern::kFewExperts},
+  };
+  return v;
+}
+
+class ForwardVsReference : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(ForwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
+  const auto [ep, which] = GetParam();
+  MOK_REQUIRE_GPUS(ep);
+  Case c = cases()[which];
+  c.shape.ep = ep;
+  if (c.shape.experts % ep) c.shape.experts *= ep;
+  const Problem p = make_problem(c.shape, c.pattern, 1000 + which * 10 + ep);
+  const Config cfg = default_config(c.shape);
+  const ref::ForwardResult expect = ref::forward(c.shape, cfg, p.weights, p.inputs);
+  const Outputs got = run_gpu(p, {cfg}, 3);
+  for (int r = 0; r < ep; ++r) {
+    const double err = rel_norm(got[0][0][r], expect.y[r]);
+    EXPECT_LT(err, 1e-2) << c.name << " rank " << r;
+    EXPECT_GT(err, 0.0) << "GPU and CPU add in different orders: exact equality is suspicious";
+    for (int i = 1; i < 3; ++i) EXPECT_TRUE(same_bits(got[0][i][r], got[0][0][r])) << "D1, repeat " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep, ForwardVsReference,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6)),
+                         [](const auto& info) {
+                           return std::string(cases()[std::get<1>(info.param)].name) + "_ep" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+class ForwardDeterminism : public ::testing::TestWithParam<int> {};
+
+// D1 at length (100 repeats) and D2: comm CTAs, minibatch, macrobatch and grid size.
+TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
+  const int ep = GetParam();
+  MOK_REQUIRE_GPUS(ep);
+  const LayerShape s{1000, 256, 128, 128, 8, 4, ep};
+  const Problem p = make_problem(s, Pattern::kUniform, 77);
+  std::vector<Config> configs;
+  for (int comm : {8, 16, 32}) {
+    Config c = default_config(s);
+    c.comm_sms_forward = comm;
+    configs.push_back(c);
+  }
+  Config mb = default_config(s);
+  mb.minibatch = 128;
+  mb.macrobatch = 256;
+  configs.push_back(mb);
+  Config grid = default_config(s);
+  grid.grid_sms = 40;
+  configs.push_back(grid);
+  const Outputs base = run_gpu(p, {configs[0]}, 100);
+  const Outputs knobs = run_gpu(p, configs, 1);
+  for (int r = 0; r < ep; ++r) {
+    for (int i = 1; i < 100; ++i) ASSERT_TRUE(same_bits(base[0][i][r], base[0][0][r])) << "D1 repeat " << i;
+    for (size_t c = 0; c < configs.size(); ++c) {
+      EXPECT_TRUE(same_bits(knobs[c][0][r], base[0][0][r])) << "D2 config " << configs[c].to_string();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep, ForwardDeterminism, ::testing::Values(1, 2));
+
+// D3: the same global batch on ep = 1 and ep = 2 gives the same y bits.
+TEST(ForwardEpInvariance, Ep1AndEp2GiveIdenticalBits) {
+  MOK_REQUIRE_GPUS(2);
+  const LayerShape s2{500, 256, 128, 128, 8, 4, 2};
+  const Problem p2 = make_problem(s2, Pattern::kUniform, 99);
+  const Problem p1 = resplit(p2, 1);
+  const Outputs y2 = run_gpu(p2, {default_config(p2.shape)}, 1);
+  const Outputs y1 = run_gpu(p1, {default_config(p1.shape)}, 1);
+  std::vector<uint16_t> joined;
+  for (int r = 0; r < 2; ++r) joined.insert(joined.end(), y2[0][0][r].begin(), y2[0][0][r].end());
+  EXPECT_TRUE(same_bits(joined, y1[0][0][0]));
+}
+
+// Errors: the workspace raises mok::Error at check() and y is NaN, never silently wrong.
+void expect_forward_error(const Problem& p, const Config& cfg, Status status, const char* fragment) {
+  RankPool::get(p.shape.ep).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = Workspace::create(p.shape, cfg, r.comm, r.device);
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), nullptr);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+    try {
+      ws->check();
+      ADD_FAILURE() << "expected mok::Error containing '" << fragment << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), status) << e.what();
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+    std::vector<uint16_t> y(d.y.size());
+    MOK_CUDA_CHECK(cudaMemcpy(y.data(), d.y.get(), d.y.bytes(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_TRUE(std::isnan(ref::from_bf16(y[i]))) << "y[" << i << "] not poisoned";
+  });
+}
+
+// At ep = 1 a rank always receives exactly T*K rows, so overflow needs two ranks: every token
+// of both ranks routed to rank 0's experts gives rank 0 twice its capacity of 1.0 * T*K.
+TEST(ForwardErrors, CapacityOverflowIsAnErrorAndPoisonsY) {
+  MOK_REQUIRE_GPUS(2);
+  const LayerShape s{256, 128, 128, 0, 8, 2, 2};
+  const Problem p = make_problem(s, Pattern::kOneRank, 5);
+  Config cfg;
+  cfg.capacity = 1.0;
+  expect_forward_error(p, cfg, Status::kCapacityOverflow, "capacity");
+}
+
+TEST(ForwardErrors, BadExpertIdIsAnErrorAndPoisonsY) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
+  Problem p = make_problem(s, Pattern::kUniform, 6);
+  p.inputs.topk_idx[0][17] = 8;  // E = 8: ids are 0..7
+  expect_forward_error(p, default_config(s), Status::kInvalidArgument, "expert");
+}
+
+}  // namespace
+}  // namespace mok::test
