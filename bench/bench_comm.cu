@@ -28,6 +28,7 @@
 #include "host/workspace_impl.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
+#include "bench_record.hpp"
 
 namespace {
 
@@ -38,7 +39,7 @@ struct Options {
   int ep = 0;  // 0 = every local GPU
   std::vector<int> ctas{8, 16, 24, 32};
   int iters = 10, warmup = 3;
-  std::string out = "bench/results/comm_dsv3.json";
+  std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
 };
 
 Options parse(int argc, char** argv) {
@@ -256,6 +257,7 @@ std::string fmt(double v) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
+  const std::string command = bench::command_line(argc, argv);
   const int gpus = bootstrap::local_device_count();
   if (gpus < 1) {
     std::printf("bench_comm: no CUDA device visible, nothing measured\n");
@@ -334,7 +336,7 @@ int main(int argc, char** argv) {
   int nccl_version = 0;
   ncclGetVersion(&nccl_version);
   std::ostringstream j;
-  j << "{\n  \"bench\": \"comm\",\n  \"shape\": \"dsv3\",\n  \"ep\": " << ep << ",\n  \"device\": \"" << prop.name
+  j << "[{\n  \"bench\": \"comm\",\n  \"shape\": \"dsv3\",\n  \"ep\": " << ep << ",\n  \"device\": \"" << prop.name
     << "\",\n  \"gpus_visible\": " << gpus << ",\n  \"nccl\": \"" << comm::nccl_version_string(nccl_version)
     << "\",\n  \"tokens_per_rank\": " << shape.tokens << ", \"hidden\": " << shape.hidden
     << ", \"experts\": " << shape.experts << ", \"topk\": " << shape.topk << ",\n  \"routing\": \"uniform\",\n"
@@ -354,9 +356,9 @@ int main(int argc, char** argv) {
     << ", \"nccl_a2a_ms\": " << fmt(nccl_ms) << ", \"p2p_copy_ms\": " << fmt(best_p.p2p_ms)
     << ", \"p2p_copy_ctas\": " << best_p.ctas << ", \"epilogue_ms\": " << fmt(epi_ms)
     << ", \"schedule_ms\": " << fmt(sched_ms) << "},\n  \"sweep\": ["
-    << sweep.str() << "]\n}\n";
+    << sweep.str() << "]\n}]";
   std::ofstream f(o.out);
-  f << j.str();
+  f << bench::record_envelope(command, j.str());
   std::printf("wrote %s\n", o.out.c_str());
   return f ? 0 : 1;
 }

@@ -1,0 +1,373 @@
+// Benchmark of the grouped GEMM engine (src/gemm) on the three model shapes of DESIGN §8,
+// uniform and skewed expert segments, side by side with cuBLAS in the same run:
+//   - cuBLAS dense bf16 GEMM (fp32 compute) of the same FLOPs (one big TN GEMM), and
+//   - a cuBLAS grouped baseline: one cublasGemmEx per expert segment.
+// TFLOP/s count useful FLOPs (real rows only). CUDA events, warm-up, median of repeats,
+// random non-zero inputs. Usage: bench_gemm [--shape dsv3|qwen3|gptoss|all] [--reps N]
+//                                           [--json FILE] [--commit STR] [--quick] [--sweep]
+// --sweep adds developer variants on dsv3 (cluster attribute, raster group sizes).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "gemm/grouped_gemm.hpp"
+
+namespace {
+
+using mok::gemm::bf16;
+
+#define CK(x)                                                                            \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+#define CB(x)                                                                            \
+  do {                                                                                   \
+    cublasStatus_t s_ = (x);                                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
+      std::fprintf(stderr, "%s:%d %s: cublas status %d\n", __FILE__, __LINE__, #x, int(s_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+struct ModelShape {
+  const char* name;
+  int64_t H, I;
+  int E;         // local experts
+  int64_t rows;  // routed rows on the rank (T * top-k)
+  int ep;
+};
+const ModelShape kShapes[] = {
+    {"dsv3", 7168, 2048, 128, 8192 * 8, 2},
+    {"qwen3", 2048, 768, 64, 16384 * 8, 2},
+    {"gptoss", 2880, 2880, 64, 8192 * 4, 2},
+};
+
+__global__ void fill_random(bf16* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+    const float u = (h >> 8) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+template <class T>
+T* dalloc(size_t n) {
+  T* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return p;
+}
+
+void randomize(bf16* p, size_t n, uint32_t seed, float scale) {
+  fill_random<<<1024, 256>>>(p, n, seed, scale);
+  CK(cudaGetLastError());
+}
+
+// Real rows per expert: uniform, or skewed (weights 1/(e+1), i.e. Zipf s=1, so the largest
+// expert gets ~E/ln(E) times the mean).
+std::vector<int> segment_rows(const ModelShape& s, bool skewed) {
+  std::vector<int> r(s.E, static_cast<int>(s.rows / s.E));
+  if (skewed) {
+    double z = 0;
+    for (int e = 0; e < s.E; ++e) z += 1.0 / (e + 1);
+    int64_t given = 0;
+    for (int e = 0; e < s.E; ++e) given += r[e] = static_cast<int>(s.rows / z / (e + 1));
+    r[0] += static_cast<int>(s.rows - given);
+  }
+  return r;
+}
+
+float median_ms(const std::function<void()>& fn, int reps, cudaStream_t stream) {
+  for (int i = 0; i < 2; ++i) fn();  // warm-up
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(a, stream));
+    fn();
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Row-major C[M,N] = A[M,K] . B[N,K]^T in bf16 with fp32 compute (cuBLAS "TN").
+void cublas_tn(cublasHandle_t h, int64_t M, int64_t N, int64_t K, const bf16* A, const bf16* B, bf16* C) {
+  const float one = 1.0f, zero = 0.0f;
+  CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B, CUDA_R_16BF, int(K), A,
+                  CUDA_R_16BF, int(K), &zero, C, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+struct Result {
+  std::string kind;
+  double flops;
+  float ms;
+  float dense_ms;    // cuBLAS dense, equal FLOPs
+  float grouped_ms;  // cuBLAS per-expert loop (0 = not run)
+};
+
+struct Bench {
+  const ModelShape& s;
+  bool skewed;
+  int reps;
+  cudaStream_t stream;
+  cublasHandle_t blas;
+  std::vector<int> rows;
+  std::vector<int32_t> off;
+  int64_t R = 0, real = 0;
+  mok::gemm::Segments seg;
+  uint32_t* d_err = nullptr;
+
+  void setup() {
+    rows = segment_rows(s, skewed);
+    off.assign(1, 0);
+    for (int e = 0; e < s.E; ++e) off.push_back(off.back() + (rows[e] + 127) / 128 * 128);
+    R = off.back();
+    real = 0;
+    for (int r : rows) real += r;
+    int32_t* d_off = dalloc<int32_t>(s.E + 1);
+    int32_t* d_rows = dalloc<int32_t>(s.E);
+    CK(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_rows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+    seg = {d_off, d_rows, s.E, R};
+    d_err = dalloc<uint32_t>(1);
+    CK(cudaMemset(d_err, 0, 4));
+  }
+  // Padding rows of row inputs are zero by contract.
+  void zero_padding(bf16* p, int64_t cols) {
+    for (int e = 0; e < s.E; ++e) {
+      const int64_t a = off[e] + rows[e], b = off[e + 1];
+      if (b > a) CK(cudaMemsetAsync(p + a * cols, 0, (b - a) * cols * sizeof(bf16), stream));
+    }
+  }
+  bf16* row_input(int64_t cols, uint32_t seed) {
+    bf16* p = dalloc<bf16>(R * cols);
+    randomize(p, R * cols, seed, 1.0f);
+    zero_padding(p, cols);
+    return p;
+  }
+  mok::gemm::Launch launch(int cluster = 0) const { return {0, d_err, 10.0, cluster}; }
+
+  // cuBLAS per-expert loop: C_e[rows_e, N] = A_e . B_e^T.
+  float grouped_loop(int64_t N, int64_t K, const bf16* A, const bf16* B, bf16* C) {
+    return median_ms([&] {
+      for (int e = 0; e < s.E; ++e)
+        if (rows[e] > 0) cublas_tn(blas, rows[e], N, K, A + off[e] * K, B + e * N * K, C + off[e] * N);
+    }, reps, stream);
+  }
+};
+
+std::vector<Result> run_shape(const ModelShape& s, bool skewed, int reps, bool sweep, cudaStream_t stream,
+                              cublasHandle_t blas) {
+  Bench b{s, skewed, reps, stream, blas};
+  b.setup();
+  const int64_t H = s.H, I = s.I, E = s.E, R = b.R;
+  const double rr = double(b.real);
+  bf16* x = b.row_input(H, 1);
+  bf16* wg = dalloc<bf16>(E * I * H);
+  bf16* wu = dalloc<bf16>(E * I * H);
+  bf16* wd = dalloc<bf16>(E * H * I);
+  randomize(wg, E * I * H, 2, 0.02f);
+  randomize(wu, E * I * H, 3, 0.02f);
+  randomize(wd, E * H * I, 4, 0.02f);
+  bf16* h = dalloc<bf16>(R * I);
+  bf16* g = dalloc<bf16>(R * I);
+  bf16* u = dalloc<bf16>(R * I);
+  bf16* out = dalloc<bf16>(R * H);
+  bf16* dys = b.row_input(H, 5);
+  bf16* dg = dalloc<bf16>(R * I);
+  bf16* du = dalloc<bf16>(R * I);
+  bf16* dx = dalloc<bf16>(R * H);
+  bf16* dw_d = dalloc<bf16>(E * H * I);
+  bf16* dw_g = dalloc<bf16>(E * I * H);
+  bf16* dw_u = dalloc<bf16>(E * I * H);
+  // Scratch for the cuBLAS baselines (largest C: rows x max(2I, H)).
+  bf16* cbuf = dalloc<bf16>(std::max(R * std::max(2 * I, H), H * I));
+  bf16* wgu = dalloc<bf16>(E * 2 * I * H);  // stacked [W_gate; W_up] per expert for the loop baseline
+  randomize(wgu, E * 2 * I * H, 6, 0.02f);
+  CK(cudaDeviceSynchronize());
+
+  std::vector<Result> res;
+  const auto L = b.launch();
+  using namespace mok::gemm;
+  const int64_t M = b.real;  // dense equal-FLOP GEMMs use the real rows as M
+  // Dense equal-FLOP GEMMs read views of two random buffers large enough for every shape.
+  const int64_t dense_a_n = M * std::max(H, 2 * I), dense_b_n = std::max(2 * I * H, M * std::max(H, I));
+  bf16* dense_a = dalloc<bf16>(dense_a_n);
+  bf16* dense_b = dalloc<bf16>(dense_b_n);
+  randomize(dense_a, dense_a_n, 7, 1.0f);
+  randomize(dense_b, dense_b_n, 8, 0.02f);
+  auto dense = [&](int64_t m, int64_t n, int64_t k) {
+    return median_ms([&] { cublas_tn(blas, m, n, k, dense_a, dense_b, cbuf); }, reps, stream);
+  };
+
+  // GEMM 1 + SwiGLU: 2 * rows * 2I * H.
+  {
+    const double f = 2.0 * rr * 2 * I * H;
+    const float ms = median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L, stream); }, reps, stream);
+    const float d = dense(M, 2 * I, H);
+    res.push_back({"gemm1_swiglu", f, ms, d, b.grouped_loop(2 * I, H, x, wgu, cbuf)});
+    const auto L2 = b.launch(2);  // 2-CTA clusters with B multicast, for comparison
+    res.push_back({"gemm1_swiglu_cluster2", f,
+                   median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L2, stream); }, reps, stream), d, 0});
+    if (sweep && std::string(s.name) == "dsv3") {
+      setenv("MOK_GEMM_CLUSTER_ATTR", "1", 1);  // single CTAs launched with a cluster attribute
+      res.push_back({"gemm1_swiglu_cluster1_attr", f,
+                     median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L, stream); }, reps, stream), d, 0});
+      unsetenv("MOK_GEMM_CLUSTER_ATTR");
+      for (const char* gm : {"2", "4", "16", "64"}) {  // raster group sweep (row tiles per group)
+        setenv("MOK_GEMM_GROUP_M", gm, 1);
+        res.push_back({std::string("gemm1_swiglu_group") + gm, f,
+                       median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L, stream); }, reps, stream), d, 0});
+      }
+      unsetenv("MOK_GEMM_GROUP_M");
+    }
+  }
+  // GEMM 2: 2 * rows * H * I.
+  {
+    const double f = 2.0 * rr * H * I;
+    const float ms = median_ms([&] { gemm2({b.seg, H, I, h, wd, out}, L, stream); }, reps, stream);
+    const float d = dense(M, H, I);
+    res.push_back({"gemm2", f, ms, d, b.grouped_loop(H, I, h, wd, cbuf)});
+    res.push_back({"gemm2_cluster2", f,
+                   median_ms([&] { gemm2({b.seg, H, I, h, wd, out}, b.launch(2), stream); }, reps, stream), d, 0});
+  }
+  // dgrad: dh + SwiGLU backward (2 rows H I), dX (2 rows 2I H).
+  {
+    const double f1 = 2.0 * rr * H * I, f2 = 2.0 * rr * 2 * I * H;
+    const float ms1 = median_ms([&] { dgrad_hidden_swiglu({b.seg, H, I, dys, wd, g, u, dg, du}, L, stream); }, reps, stream);
+    const float ms2 = median_ms([&] { dgrad_input({b.seg, H, I, dg, du, wg, wu, dx}, L, stream); }, reps, stream);
+    const float d1 = dense(M, I, H), d2 = dense(M, H, 2 * I);
+    res.push_back({"dgrad_dh_swiglu", f1, ms1, d1, 0});
+    res.push_back({"dgrad_dx", f2, ms2, d2, 0});
+    const float ms1c = median_ms([&] { dgrad_hidden_swiglu({b.seg, H, I, dys, wd, g, u, dg, du}, b.launch(2), stream); }, reps, stream);
+    const float ms2c = median_ms([&] { dgrad_input({b.seg, H, I, dg, du, wg, wu, dx}, b.launch(2), stream); }, reps, stream);
+    res.push_back({"dgrad_cluster2", f1 + f2, ms1c + ms2c, d1 + d2, 0});
+    res.push_back({"dgrad", f1 + f2, ms1 + ms2, d1 + d2, 0});
+  }
+  // wgrad: dW_down = dys^T h, dW_gate = dg^T x, dW_up = du^T x (one launch, 3 problems).
+  {
+    const double f = 3 * 2.0 * rr * H * I;
+    WgradArgs a;
+    a.seg = b.seg;
+    a.num_problems = 3;
+    a.problems[0] = {dys, h, H, I, nullptr, dw_d};
+    a.problems[1] = {dg, x, I, H, nullptr, dw_g};
+    a.problems[2] = {du, x, I, H, nullptr, dw_u};
+    a.mode = WgradOut::kWriteBf16;
+    const float ms = median_ms([&] { wgrad(a, L, stream); }, reps, stream);
+    const float d = dense(H, I, M) + 2 * dense(I, H, M);
+    res.push_back({"wgrad", f, ms, d, 0});
+    res.push_back({"wgrad_cluster2", f, median_ms([&] { wgrad(a, b.launch(2), stream); }, reps, stream), d, 0});
+    // fp32 main-grad accumulation (reads and writes E*3*H*I fp32: memory-bound at small rows/expert).
+    float* mg = dalloc<float>(3 * E * H * I);
+    CK(cudaMemset(mg, 0, 3 * E * H * I * sizeof(float)));
+    a.mode = WgradOut::kAccumulateFp32;
+    a.problems[0].out = mg;
+    a.problems[1].out = mg + E * H * I;
+    a.problems[2].out = mg + 2 * E * H * I;
+    const float ms2 = median_ms([&] { wgrad(a, L, stream); }, reps, stream);
+    res.push_back({"wgrad_accumulate_fp32", f, ms2, d, 0});
+    CK(cudaFree(mg));
+  }
+  CK(cudaDeviceSynchronize());
+  uint32_t err = 0;
+  CK(cudaMemcpy(&err, b.d_err, 4, cudaMemcpyDeviceToHost));
+  if (err != 0) std::fprintf(stderr, "ERROR: gemm error flag 0x%x\n", err);
+  for (void* p : {(void*)x, (void*)wg, (void*)wu, (void*)wd, (void*)h, (void*)g, (void*)u, (void*)out, (void*)dys,
+                  (void*)dg, (void*)du, (void*)dx, (void*)dw_d, (void*)dw_g, (void*)dw_u, (void*)cbuf, (void*)wgu})
+    CK(cudaFree(p));
+  return res;
+}
+
+double tflops(double f, float ms) { return ms > 0 ? f / (ms * 1e-3) / 1e12 : 0.0; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string only = "all", json, commit = "unknown";
+  int reps = 15;
+  bool sweep = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--shape" && i + 1 < argc) only = argv[++i];
+    else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--commit" && i + 1 < argc) commit = argv[++i];
+    else if (a == "--quick") reps = 5;
+    else if (a == "--sweep") sweep = true;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CK(cudaStreamCreate(&stream));
+  cublasHandle_t blas;
+  CB(cublasCreate(&blas));
+  CB(cublasSetStream(blas, stream));
+
+  std::string js = "{\"date\": \"2026-11-30\", \"commit\": \"" + commit + "\", \"gpu\": \"" + prop.name +
+                   "\", \"gpus\": 1, \"command\": \"";
+  for (int i = 0; i < argc; ++i) js += std::string(i ? " " : "") + argv[i];
+  js += "\", \"results\": [";
+  bool first = true;
+  std::printf("%-7s %-8s %-22s %9s %9s %11s %7s %13s\n", "shape", "segments", "kind", "ms", "TFLOP/s",
+              "cuBLAS-dense", "ratio", "cuBLAS-loop");
+  for (const ModelShape& s : kShapes) {
+    if (only != "all" && only != s.name) continue;
+    for (bool skewed : {false, true}) {
+      const auto res = run_shape(s, skewed, reps, sweep, stream, blas);
+      std::string metrics;
+      for (const Result& r : res) {
+        const double t = tflops(r.flops, r.ms), d = tflops(r.flops, r.dense_ms), g = tflops(r.flops, r.grouped_ms);
+        std::printf("%-7s %-8s %-22s %9.3f %9.1f %11.1f %6.1f%% %13.1f\n", s.name, skewed ? "skewed" : "uniform",
+                    r.kind.c_str(), r.ms, t, d, 100.0 * t / d, g);
+        char buf[256];
+        std::snprintf(buf, sizeof(buf), "%s\"%s_tflops\": %.1f, \"%s_cublas_dense_tflops\": %.1f", metrics.empty() ? "" : ", ",
+                      r.kind.c_str(), t, r.kind.c_str(), d);
+        metrics += buf;
+        if (r.grouped_ms > 0) {
+          std::snprintf(buf, sizeof(buf), ", \"%s_cublas_loop_tflops\": %.1f", r.kind.c_str(), g);
+          metrics += buf;
+        }
+        if (r.kind == "gemm1_swiglu") {
+          std::snprintf(buf, sizeof(buf), ", \"cublas_dense_tflops\": %.1f", d);
+          metrics += buf;
+        }
+      }
+      js += std::string(first ? "" : ", ") + "{\"bench\": \"gemm\", \"shape\": \"" + s.name + "\", \"ep\": " +
+            std::to_string(s.ep) + ", \"segments\": \"" + (skewed ? "skewed" : "uniform") + "\", \"metrics\": {" +
+            metrics + "}}";
+      first = false;
+      std::fflush(stdout);
+    }
+  }
+  js += "]}\n";
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f) {
+      std::fputs(js.c_str(), f);
+      std::fclose(f);
+    }
+  }
+  CB(cublasDestroy(blas));
+  return 0;
+}

@@ -1,0 +1,70 @@
+// Compile-time shapes of the Hopper grouped GEMM engine (tile, pipeline, roles, registers).
+// Only these are template parameters; tokens, experts, H and I are runtime values.
+#pragma once
+
+#include <cstdint>
+
+namespace mok::gemm {
+
+// Which dimension of an operand tile is contiguous in global memory (and therefore in the
+// 128-byte swizzled shared-memory tile that TMA writes and wgmma reads).
+enum class Major { kK, kMN };
+
+inline constexpr int kWarpGroupThreads = 128;
+inline constexpr int kMaxSmemPerBlock = 232448;  // sm_90: 227 KiB of opt-in dynamic shared memory
+inline constexpr int kSwizzleBytes = 128;        // TMA SWIZZLE_128B == GMMA Layout_*_SW128_Atom
+inline constexpr int kBoxInner = kSwizzleBytes / 2;  // 64 bf16: widest TMA box row under SW128
+// Tile raster (tile_scheduler.cuh): groups of kGroupM row tiles, row tiles fastest inside a
+// group, so the CTAs running at the same time share B (weight) tiles and a few A row tiles.
+inline constexpr int kGroupM = 8;
+
+// One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
+// bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
+// each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.
+// Clusters of kClusterM CTAs work on vertically adjacent tiles that share their B tile: each
+// CTA loads 1/kClusterM of it and multicasts it to the cluster (halves the L2->SM traffic of B).
+template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM>
+struct TileConfig {
+  static constexpr int kBM = 128;
+  static constexpr int kBN = BN;
+  static constexpr int kBK = 64;
+  static constexpr int kStages = Stages;
+  static constexpr Major kAMajor = AMajor;
+  static constexpr Major kBMajor = BMajor;
+  static constexpr int kClusterM = ClusterM;
+  static_assert(ClusterM == 1 || ClusterM == 2, "clusters of 1 or 2 CTAs along M");
+
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kWGRows = kBM / kConsumerWGs;  // 64: one wgmma M per warpgroup
+  static constexpr int kThreads = kWarpGroupThreads * (1 + kConsumerWGs);
+  static constexpr int kConsumerThreads = kWarpGroupThreads * kConsumerWGs;
+
+  // setmaxnreg: the producer keeps 40 registers, the consumers get the rest
+  // (40*128 + 232*256 = 64512 <= 65536). A 64x256 fp32 accumulator is 128 registers.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kProducerRegs * kWarpGroupThreads + kConsumerRegs * kConsumerThreads <= 65536,
+                "register budget of one SM exceeded");
+  static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N is at most 256 and boxes are 64 wide");
+
+  static constexpr int kABytes = kBM * kBK * 2;
+  static constexpr int kBBytes = kBN * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;  // expect_tx of one stage
+
+  // Epilogue staging: per consumer warpgroup 64 rows x 128 bf16 columns = two 64x64 SW128
+  // TMA-store boxes (16 KiB). Outputs wider than 128 columns are stored in rounds.
+  static constexpr int kEpiBoxBytes = 64 * kBoxInner * 2;
+  static constexpr int kEpiBoxes = 2;
+  static constexpr int kEpiCols = kEpiBoxes * kBoxInner;
+  static constexpr int kEpiBytesPerWG = kEpiBoxes * kEpiBoxBytes;
+
+
+  // SharedStorage (sm90_roles.cuh) is 1024-aligned: its barriers occupy one 1 KiB block,
+  // and the dynamic allocation carries 1 KiB of slack to align its base.
+  static constexpr int kBarrierBytes = 1024;
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes + kConsumerWGs * kEpiBytesPerWG + kBarrierBytes + 1024 /*align*/;
+  static_assert(kSmemBytes <= kMaxSmemPerBlock, "pipeline + epilogue staging exceed shared memory");
+};
+
+}  // namespace mok::gemm

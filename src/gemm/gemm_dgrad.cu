@@ -1,0 +1,66 @@
+// dgrad launchers: GEMM 2 dgrad with the SwiGLU backward fused, and GEMM 1 dgrad (sm_90a).
+#include "gemm/grouped_gemm.hpp"
+#include "gemm/sm90_kinds_rows.cuh"
+#include "gemm/sm90_launch.cuh"
+
+namespace mok::gemm {
+
+void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStream_t stream) {
+  using host::check_pointer;
+  host::check_segments(a.seg);
+  host::check_launch(launch);
+  host::check_multiple("hidden", a.hidden, 64);
+  host::check_multiple("intermediate", a.intermediate, 64);
+  check_pointer("dys", a.dys);
+  check_pointer("w_down", a.w_down);
+  check_pointer("g", a.g);
+  check_pointer("u", a.u);
+  check_pointer("dg", a.dg);
+  check_pointer("du", a.du);
+  const int64_t R = a.seg.buffer_rows, H = a.hidden, I = a.intermediate, E = a.seg.experts;
+  DgradHiddenParams p;
+  p.dys = host::map_bf16(a.dys, 0, R, H, 64, 128, "dys");
+  p.w_down = host::map_bf16(a.w_down, E, H, I, 64, 64, "w_down");
+  p.dg = host::map_bf16(a.dg, 0, R, I, 64, 64, "dg");
+  p.du = host::map_bf16(a.du, 0, R, I, 64, 64, "du");
+  p.g = a.g;
+  p.u = a.u;
+  p.sched = host::row_scheduler(a.seg, I, 256, kGroupM);
+  p.k_steps = static_cast<int>(H / 64);
+  p.inter = static_cast<int>(I);
+  p.err = host::error_sink(launch);
+  host::with_cluster(launch, [&](auto c) {
+    p.sched.cluster = c;
+    host::launch_kind<DgradHiddenKind<c>>(p, launch, stream);
+  });
+}
+
+void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t stream) {
+  using host::check_pointer;
+  host::check_segments(a.seg);
+  host::check_launch(launch);
+  host::check_multiple("hidden", a.hidden, 64);
+  host::check_multiple("intermediate", a.intermediate, 64);
+  check_pointer("dg", a.dg);
+  check_pointer("du", a.du);
+  check_pointer("w_gate", a.w_gate);
+  check_pointer("w_up", a.w_up);
+  check_pointer("dx", a.dx);
+  const int64_t R = a.seg.buffer_rows, H = a.hidden, I = a.intermediate, E = a.seg.experts;
+  DgradInputParams p;
+  p.dg = host::map_bf16(a.dg, 0, R, I, 64, 128, "dg");
+  p.du = host::map_bf16(a.du, 0, R, I, 64, 128, "du");
+  p.w_gate = host::map_bf16(a.w_gate, E, I, H, 64, 64, "w_gate");
+  p.w_up = host::map_bf16(a.w_up, E, I, H, 64, 64, "w_up");
+  p.dx = host::map_bf16(a.dx, 0, R, H, 64, 64, "dx");
+  p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
+  p.k_steps = static_cast<int>(2 * I / 64);
+  p.hidden = static_cast<int>(H);
+  p.err = host::error_sink(launch);
+  host::with_cluster(launch, [&](auto c) {
+    p.sched.cluster = c;
+    host::launch_kind<DgradInputKind<c>>(p, launch, stream);
+  });
+}
+
+}  // namespace mok::gemm

@@ -1,0 +1,31 @@
+// Host-side helpers of the grouped GEMM launchers: TMA descriptor encoding, argument
+// validation (mok::Error naming the argument), grid size and CUDA error checks.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "gemm/grouped_gemm.hpp"
+
+namespace mok::gemm::host {
+
+// Row-major bf16 matrix [rows, cols] (or a stack [batch, rows, cols] when batch > 0) viewed
+// by TMA with boxes of box_cols x box_rows elements and the 128-byte swizzle. Elements
+// outside the matrix read as zero and are never written by stores.
+CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
+                     int box_rows, const char* what);
+
+// Throws unless `value` is a positive multiple of `multiple`.
+void check_multiple(const char* argument, int64_t value, int64_t multiple);
+void check_pointer(const char* argument, const void* ptr);  // non-null and 16-byte aligned
+void check_segments(const Segments& seg);
+void check_launch(const Launch& launch);
+
+int resolve_grid(const Launch& launch);  // launch.grid or the SM count of the current device
+uint64_t timeout_ns(const Launch& launch);
+void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
+
+}  // namespace mok::gemm::host

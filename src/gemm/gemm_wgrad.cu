@@ -1,0 +1,69 @@
+// wgrad launcher: K-grouped weight gradients over each expert's rows (sm_90a).
+#include <algorithm>
+#include <string>
+
+#include "gemm/grouped_gemm.hpp"
+#include "gemm/sm90_kinds_wgrad.cuh"
+#include "gemm/sm90_launch.cuh"
+#include "mok/error.hpp"
+
+namespace mok::gemm {
+
+void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
+  host::check_segments(a.seg);
+  host::check_launch(launch);
+  if (a.num_problems < 1 || a.num_problems > kMaxWgradProblemsPerCall) {
+    throw_invalid("num_problems", "in [1, 3]", std::to_string(a.num_problems));
+  }
+  const int mode = static_cast<int>(a.mode);
+  if (mode < 0 || mode > 2) throw_invalid("mode", "a WgradOut value", std::to_string(mode));
+  static_assert(int(WgradOut::kPartialFp32) == kWgradPartialFp32 && int(WgradOut::kWriteBf16) == kWgradWriteBf16 &&
+                int(WgradOut::kAccumulateFp32) == kWgradAccumulateFp32);
+  const int64_t R = a.seg.buffer_rows, E = a.seg.experts;
+  WgradParams p{};
+  p.sched.offsets = a.seg.offsets;
+  p.sched.rows = a.seg.rows;
+  p.sched.row_begin = a.row_begin;
+  p.sched.row_end = a.row_end;
+  p.sched.experts = a.seg.experts;
+  p.sched.num_problems = a.num_problems;
+  p.sched.group_m = kGroupM;
+  int64_t tiles = 0;
+  for (int q = 0; q < a.num_problems; ++q) {
+    const WgradProblem& pr = a.problems[q];
+    const std::string name = "problems[" + std::to_string(q) + "]";
+    host::check_multiple((name + ".m").c_str(), pr.m, 64);
+    host::check_multiple((name + ".n").c_str(), pr.n, 64);
+    host::check_pointer((name + ".a").c_str(), pr.a);
+    host::check_pointer((name + ".b").c_str(), pr.b);
+    host::check_pointer((name + ".out").c_str(), pr.out);
+    if (pr.partial_in != nullptr) host::check_pointer((name + ".partial_in").c_str(), pr.partial_in);
+    WgradProblemParams& kp = p.problems[q];
+    kp.a = host::map_bf16(pr.a, 0, R, pr.m, 64, 64, "wgrad a");
+    kp.b = host::map_bf16(pr.b, 0, R, pr.n, 64, 64, "wgrad b");
+    kp.out = a.mode == WgradOut::kWriteBf16 ? host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out")
+                                            : kp.b;  // unused outside kWriteBf16
+    kp.m = static_cast<int>(pr.m);
+    kp.n = static_cast<int>(pr.n);
+    kp.partial_in = pr.partial_in;
+    kp.out_ptr = pr.out;
+    p.sched.m_tiles[q] = static_cast<int>((pr.m + 127) / 128);
+    p.sched.n_tiles[q] = static_cast<int>((pr.n + 255) / 256);
+    tiles += E * p.sched.m_tiles[q] * p.sched.n_tiles[q];
+  }
+  if (tiles >= (int64_t{1} << 31)) throw_invalid("wgrad problem", "fewer than 2^31 tiles", std::to_string(tiles));
+  p.err = host::error_sink(launch);
+  Launch l = launch;
+  // The host knows the tile count: no more CTAs than tiles.
+  l.grid = static_cast<int>(std::min<int64_t>(host::resolve_grid(launch), tiles));
+  // wgrad runs without clusters (launch.cluster is ignored): its 2-CTA variant spilled
+  // registers (docs/gemm.md) and its K loops are short, so B multicast has little to save.
+  p.sched.cluster = 1;
+  switch (a.mode) {
+    case WgradOut::kPartialFp32: host::launch_kind<WgradKind<kWgradPartialFp32, 1>>(p, l, stream); break;
+    case WgradOut::kWriteBf16: host::launch_kind<WgradKind<kWgradWriteBf16, 1>>(p, l, stream); break;
+    case WgradOut::kAccumulateFp32: host::launch_kind<WgradKind<kWgradAccumulateFp32, 1>>(p, l, stream); break;
+  }
+}
+
+}  // namespace mok::gemm

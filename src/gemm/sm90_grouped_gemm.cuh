@@ -1,0 +1,89 @@
+// The persistent, warp-specialised sm_90a grouped GEMM kernel. The entry only sets up shared
+// memory and barriers and dispatches roles (sm90_roles.cuh); a `Kind` (sm90_kinds_*.cuh)
+// supplies the operands, the K range of a tile, the accumulator seed and the epilogue.
+//
+//   warpgroup 0 (40 regs)   thread 0: tma_producer  (other threads idle)
+//   warpgroups 1, 2 (232)   mma_mainloop + Kind::epilogue on rows [0,64) / [64,128) of a tile
+#pragma once
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "gemm/sm90_roles.cuh"
+
+namespace mok::gemm {
+
+// Consumer warpgroups: operand views, descriptors and the accumulator of this thread; then
+// per tile: seed, K loop, epilogue (phantom tiles of a cluster are computed, never stored).
+template <class Kind, class Cfg, class Scheduler>
+__device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
+                                   int cluster_id, int clusters, int rank) {
+  const int ctid = threadIdx.x - kWarpGroupThreads;
+  auto mma = make_consumer_mma<Cfg>();
+  auto thr = mma.get_thread_slice(ctid);
+  auto sA = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.a[0])),
+                              smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages>());
+  auto sB = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.b[0])),
+                              smem_operand_layout<Cfg::kBMajor, Cfg::kBN, Cfg::kStages>());
+  auto tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  auto tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
+  static_assert(decltype(cute::size(acc))::value == Cfg::kBN / 2, "64xBN fragment per thread");
+
+  EpiCtx ctx;
+  ctx.wg = ctid / kWarpGroupThreads;
+  ctx.tid = ctid % kWarpGroupThreads;
+  ctx.stage = ss.epi[ctx.wg];
+  ctx.stage_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(ctx.stage));
+
+  PipeState<Cfg::kStages> st;
+  const int tiles = sched.num_tiles();
+  for (int t = cluster_id; t < tiles; t += clusters) {
+    const auto tile = Kind::tile(p, sched, t, rank);
+    Kind::seed(p, tile, ctx, acc);
+    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid)) break;
+    if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
+  }
+  if (ctx.tid == 0) tma_store_wait_all_complete();
+}
+
+template <class Kind>
+__global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
+    sm90_grouped_gemm_kernel(const __grid_constant__ typename Kind::Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Cfg = typename Kind::Cfg;
+  constexpr int C = Cfg::kClusterM;
+  extern __shared__ uint8_t smem_raw[];
+  // TMA SWIZZLE_128B and the GMMA descriptors need 1024-byte aligned tiles. The offset is the
+  // same in every CTA, so multicast writes land at matching addresses.
+  auto* ss = reinterpret_cast<SharedStorage<Cfg>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / kWarpGroupThreads;
+  const int rank = C > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+  const int cluster_id = blockIdx.x / C, clusters = gridDim.x / C;
+
+  if (threadIdx.x == 0) {
+    ss->bars.init(empty_barrier_arrivals<Cfg>());
+    Kind::prefetch_descriptors(p);
+  }
+  // Barriers of every CTA of the cluster are initialised before anyone multicasts or arrives.
+  if constexpr (C > 1) cute::cluster_sync(); else __syncthreads();
+  const auto sched = Kind::scheduler(p);
+
+  // NOTE: no CTA of a cluster may exit while a peer can still multicast into its shared
+  // memory or arrive on its barriers: every thread ends with a cluster barrier. It is called
+  // inside each role's branch: a common exit path shared by the 40- and the 232-register
+  // roles makes ptxas serialise wgmma (C7512).
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0) tma_producer<Kind>(p, *ss, sched, cluster_id, clusters, rank);
+    if constexpr (C > 1) cute::cluster_sync();
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    consumer_warpgroup<Kind>(p, *ss, sched, cluster_id, clusters, rank);
+    if constexpr (C > 1) cute::cluster_sync();
+  }
+#endif
+}
+
+}  // namespace mok::gemm

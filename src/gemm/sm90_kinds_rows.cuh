@@ -1,0 +1,270 @@
+// The row-grouped kinds (M = the rows of each expert segment): forward GEMM 1 + SwiGLU,
+// forward GEMM 2, dgrad of GEMM 2 + SwiGLU backward, dgrad of GEMM 1. Each kind tells the
+// generic kernel (sm90_grouped_gemm.cuh) what to load per K step and what to store.
+//
+// A kind provides: Cfg, Params, scheduler(p), tile(p, sched, t), producer_check(p, tile), k_steps(p, tile),
+// load_stage(p, tile, k, smem_a, smem_b, full_bar), seed(p, tile, ctx, acc),
+// epilogue(p, tile, ctx, acc), prefetch_descriptors(p).
+#pragma once
+
+#include <cuda.h>
+
+#include "gemm/grouped_gemm.hpp"
+#include "gemm/sm90_roles.cuh"
+#include "gemm/swiglu_math.cuh"
+#include "gemm/tile_scheduler.cuh"
+
+namespace mok::gemm {
+
+// Shared pieces of every row-grouped kind.
+template <class Derived, class CfgT>
+struct RowKindBase {
+  using Cfg = CfgT;
+  template <class P>
+  __device__ static RowScheduler scheduler(const P& p) { return p.sched; }
+  template <class P>
+  __device__ static RowTile tile(const P&, const RowScheduler& s, int t, int rank) { return s.tile(t, rank); }
+  template <class P>
+  __device__ static void producer_check(const P&, const RowTile&) {}
+  // Tiles made only of padding rows skip the K loop and store zeros (in a cluster only when
+  // every CTA's tile is padding: the CTAs run their K loops in lockstep).
+  template <class P>
+  __device__ static int k_steps(const P& p, const RowTile& tile) { return tile.any_real ? p.k_steps : 0; }
+  template <class P, class Acc>
+  __device__ static void seed(const P&, const RowTile&, const EpiCtx&, Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
+  }
+};
+
+// Stores fragment value pairs (bits of acc(i), already packed bf16x2) of column blocks
+// J0..J0+15 into out[row0 + 64*wg .., col0 ..] through the staging boxes; columns at or past
+// `cols` are clipped (TMA never writes outside the tensor, a fully outside box is skipped).
+template <int J0, int Offset, class Acc>
+__device__ inline void store_packed(const EpiCtx& ctx, const Acc& acc, const CUtensorMap* map, int col0,
+                                    int cols, int row0) {
+  store_round<J0>(
+      ctx, [&](int i) { return __float_as_uint(acc(i + Offset)); },
+      [&](uint8_t* box, int b) {
+        if (col0 + 64 * b < cols) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, row0 + 64 * ctx.wg);
+      });
+}
+
+// Rounds pairs (i, i+1) to packed bf16x2 in place (bits in acc(i)); padding rows get zeros.
+template <class Acc>
+__device__ inline void pack_rows_bf16(const EpiCtx& ctx, Acc& acc, int real_rows) {
+#pragma unroll
+  for (int i = 0; i < cute::size(acc); i += 2) {
+    const bool real = ctx.row_in_tile((i / 2) % 2) < real_rows;
+    acc(i) = __uint_as_float(real ? pack_bf16x2(acc(i), acc(i + 1)) : 0u);
+  }
+}
+
+// ---- GEMM 1 + SwiGLU ---------------------------------------------------------------------
+// Tile: 128 rows x (128 gate | 128 up) columns of the same intermediate indices: the B stage
+// holds W_gate rows [128n, 128n+128) then W_up rows [128n, 128n+128) (two TMA boxes), so
+// value i (gate column c) and value i+64 (up column c) sit in the same thread.
+struct Gemm1SwigluParams {
+  CUtensorMap x;               // [rows, H], box 64 x 128
+  CUtensorMap w_gate, w_up;    // [E, I, H], box 64 x 128 x 1
+  CUtensorMap h, g, u;         // [rows, I], box 64 x 64
+  RowScheduler sched;          // n_tiles = ceil(I / 128)
+  int k_steps;                 // H / 64
+  int inter;                   // I
+  ErrorSink err;
+};
+
+template <int C>
+struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, 4, Major::kK, Major::kK, C>> {
+  using Cfg = TileConfig<256, 4, Major::kK, Major::kK, C>;
+  using Params = Gemm1SwigluParams;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.x);
+    cute::prefetch_tma_descriptor(&p.w_gate);
+    cute::prefetch_tma_descriptor(&p.w_up);
+  }
+  // B box 0 = W_gate rows, box 1 = W_up rows of the same intermediate indices.
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
+                                    int rank) {
+    tma_load_2d(&p.x, bar, a, 64 * k, t.row0);
+    load_b_boxes<C, 2>(t.shared_b, rank, [&](int box, uint16_t mask) {
+      tma_load_3d(box == 0 ? &p.w_gate : &p.w_up, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 128 * t.n_tile,
+                  t.expert, mask);
+    });
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    // Three rounds over the same 64x128 block: g (values i, i+1), u (i+64, i+65), then
+    // h = silu(g) * u from the rounded g, u. Computing each pair inside its round keeps the
+    // register peak at the accumulator plus a few temporaries.
+    const int col0 = 128 * t.n_tile;
+    const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+    auto real = [&](int i) { return (i / 2) % 2 ? real1 : real0; };
+    auto issue = [&](const CUtensorMap* map) {
+      return [&, map](uint8_t* box, int b) {
+        if (col0 + 64 * b < p.inter) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
+      };
+    };
+    store_round<0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g));
+    store_round<0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, issue(&p.u));
+    store_round<0>(ctx, [&](int i) {
+      const float2 g = unpack_bf16x2(pack_bf16x2(acc(i), acc(i + 1)));
+      const float2 u = unpack_bf16x2(pack_bf16x2(acc(i + 64), acc(i + 65)));
+      return real(i) ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
+    }, issue(&p.h));
+  }
+};
+
+// ---- GEMM 2 and dgrad of GEMM 1 (plain bf16 output, 128 x 256 tiles) --------------------
+template <class Acc>
+__device__ inline void store_bf16_256(const EpiCtx& ctx, Acc& acc, const CUtensorMap* map, const RowTile& t,
+                                      int cols) {
+  pack_rows_bf16(ctx, acc, t.real_rows);
+  store_packed<0, 0>(ctx, acc, map, 256 * t.n_tile, cols, t.row0);
+  store_packed<16, 0>(ctx, acc, map, 256 * t.n_tile + 128, cols, t.row0);
+}
+
+struct Gemm2Params {
+  CUtensorMap h;       // [rows, I], box 64 x 128
+  CUtensorMap w_down;  // [E, H, I], box 64 x 128 x 1 (two boxes per 256-row B tile)
+  CUtensorMap out;     // [rows, H], box 64 x 64
+  RowScheduler sched;  // n_tiles = ceil(H / 256)
+  int k_steps;         // I / 64
+  int hidden;
+  ErrorSink err;
+};
+
+template <int C>
+struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, 4, Major::kK, Major::kK, C>> {
+  using Cfg = TileConfig<256, 4, Major::kK, Major::kK, C>;
+  using Params = Gemm2Params;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.h);
+    cute::prefetch_tma_descriptor(&p.w_down);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
+                                    int rank) {
+    tma_load_2d(&p.h, bar, a, 64 * k, t.row0);
+    load_b_boxes<C, 2>(t.shared_b, rank, [&](int box, uint16_t mask) {
+      tma_load_3d(&p.w_down, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 256 * t.n_tile + 128 * box, t.expert, mask);
+    });
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    store_bf16_256(ctx, acc, &p.out, t, p.hidden);
+  }
+};
+
+// dx = [dg | du] x [W_gate ; W_up]: K steps 0..I/64-1 read (dg, W_gate), the rest (du, W_up).
+// B is MN-major: W_gate[e] is [I, H] with H (= N) contiguous, loaded as four 64x64 boxes.
+struct DgradInputParams {
+  CUtensorMap dg, du;          // [rows, I], box 64 x 128
+  CUtensorMap w_gate, w_up;    // [E, I, H], box 64 x 64 x 1
+  CUtensorMap dx;              // [rows, H], box 64 x 64
+  RowScheduler sched;          // n_tiles = ceil(H / 256)
+  int k_steps;                 // 2I / 64
+  int hidden;
+  ErrorSink err;
+};
+
+template <int C>
+struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, 4, Major::kK, Major::kMN, C>> {
+  using Cfg = TileConfig<256, 4, Major::kK, Major::kMN, C>;
+  using Params = DgradInputParams;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.dg);
+    cute::prefetch_tma_descriptor(&p.du);
+    cute::prefetch_tma_descriptor(&p.w_gate);
+    cute::prefetch_tma_descriptor(&p.w_up);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
+                                    int rank) {
+    const int half = p.k_steps / 2;
+    const bool up = k >= half;
+    const int kk = up ? k - half : k;
+    tma_load_2d(up ? &p.du : &p.dg, bar, a, 64 * kk, t.row0);
+    const CUtensorMap* w = up ? &p.w_up : &p.w_gate;
+    load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
+      tma_load_3d(w, bar, b + box * 8192, 256 * t.n_tile + 64 * box, 64 * kk, t.expert, mask);
+    });
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    store_bf16_256(ctx, acc, &p.dx, t, p.hidden);
+  }
+};
+
+// ---- dgrad of GEMM 2 + SwiGLU backward -----------------------------------------------------
+// dh = dys x W_down[e] (B MN-major: W_down[e] is [H, I], I = N contiguous). The epilogue reads
+// the saved g, u of its pairs straight from global memory and writes dg, du.
+struct DgradHiddenParams {
+  CUtensorMap dys;     // [rows, H], box 64 x 128
+  CUtensorMap w_down;  // [E, H, I], box 64 x 64 x 1
+  CUtensorMap dg, du;  // [rows, I], box 64 x 64
+  const bf16* g;       // [rows, I]
+  const bf16* u;
+  RowScheduler sched;  // n_tiles = ceil(I / 256)
+  int k_steps;         // H / 64
+  int inter;
+  ErrorSink err;
+};
+
+template <int C>
+struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, 4, Major::kK, Major::kMN, C>> {
+  using Cfg = TileConfig<256, 4, Major::kK, Major::kMN, C>;
+  using Params = DgradHiddenParams;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.dys);
+    cute::prefetch_tma_descriptor(&p.w_down);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
+                                    int rank) {
+    tma_load_2d(&p.dys, bar, a, 64 * k, t.row0);
+    load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
+      tma_load_3d(&p.w_down, bar, b + box * 8192, 256 * t.n_tile + 64 * box, 64 * k, t.expert, mask);
+    });
+  }
+
+  // Columns [128*Half, 128*Half + 128) of the tile: acc(i) <- dg pair, acc(i+1) <- du pair.
+  // g, u are loaded in chunks of 4 pairs to keep the register peak low.
+  template <int Half, class Acc>
+  __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    constexpr int kChunk = 4;  // pairs: 2 column blocks x 2 rows
+#pragma unroll
+    for (int q0 = 0; q0 < 32; q0 += kChunk) {
+      asm volatile("" ::: "memory");  // keep the chunk's loads from being hoisted above the previous chunk
+      uint32_t g2[kChunk], u2[kChunk];
+#pragma unroll
+      for (int q = 0; q < kChunk; ++q) {
+        const int j = 16 * Half + (q0 + q) / 2, v1 = q % 2;
+        const int col = 256 * t.n_tile + ctx.col(j);
+        const int64_t off = (t.row0 + ctx.row_in_tile(v1)) * int64_t{p.inter} + col;
+        const bool in = col < p.inter;
+        g2[q] = in ? __ldg(reinterpret_cast<const unsigned int*>(p.g + off)) : 0u;
+        u2[q] = in ? __ldg(reinterpret_cast<const unsigned int*>(p.u + off)) : 0u;
+      }
+#pragma unroll
+      for (int q = 0; q < kChunk; ++q) {
+        const int i = 4 * (16 * Half + (q0 + q) / 2) + 2 * (q % 2);
+        const bool real = ctx.row_in_tile(q % 2) < t.real_rows;
+        const float2 g = unpack_bf16x2(g2[q]), u = unpack_bf16x2(u2[q]);
+        float dg0, du0, dg1, du1;
+        swiglu_bwd(acc(i), g.x, u.x, dg0, du0);
+        swiglu_bwd(acc(i + 1), g.y, u.y, dg1, du1);
+        acc(i) = __uint_as_float(real ? pack_bf16x2(dg0, dg1) : 0u);
+        acc(i + 1) = __uint_as_float(real ? pack_bf16x2(du0, du1) : 0u);
+      }
+    }
+    const int col0 = 256 * t.n_tile + 128 * Half;
+    store_packed<16 * Half, 0>(ctx, acc, &p.dg, col0, p.inter, t.row0);
+    store_packed<16 * Half, 1>(ctx, acc, &p.du, col0, p.inter, t.row0);
+  }
+
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    swiglu_backward_half<0>(p, t, ctx, acc);
+    swiglu_backward_half<1>(p, t, ctx, acc);
+  }
+};
+
+}  // namespace mok::gemm

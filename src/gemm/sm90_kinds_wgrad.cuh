@@ -1,0 +1,158 @@
+// The K-grouped wgrad kind: dW[e] [M, N] = sum over the expert's rows of a[r]^T b[r].
+// Both operands are MN-major (rows of the buffer are the K dimension): A tiles are two
+// 64x64 boxes of a [rows, M], B tiles four 64x64 boxes of b [rows, N]. Up to three problems
+// (dW_down; dW_gate, dW_up) share one launch; tiles are (problem, expert, m, n).
+#pragma once
+
+#include <cuda.h>
+
+#include "gemm/sm90_roles.cuh"
+#include "gemm/swiglu_math.cuh"
+#include "gemm/tile_scheduler.cuh"
+
+namespace mok::gemm {
+
+enum WgradMode : int { kWgradPartialFp32 = 0, kWgradWriteBf16 = 1, kWgradAccumulateFp32 = 2 };  // == WgradOut
+
+struct WgradProblemParams {
+  CUtensorMap a;    // [rows, M], box 64 x 64
+  CUtensorMap b;    // [rows, N], box 64 x 64
+  CUtensorMap out;  // bf16 [E, M, N], box 64 x 64 x 1 (kWriteBf16)
+  int m, n;
+  const float* partial_in;  // or nullptr: start from zeros
+  void* out_ptr;
+};
+struct WgradParams {
+WgradProblemParams problems[kMaxWgradProblems];
+  KGroupedScheduler sched;
+  ErrorSink err;
+};
+
+// The output mode is a template parameter: a runtime branch around the accumulator reads
+// makes ptxas serialise every wgmma (C7518).
+template <int Mode, int C>
+struct WgradKind {
+  using Cfg = TileConfig<256, 4, Major::kMN, Major::kMN, C>;
+
+  using Problem = WgradProblemParams;
+  using Params = WgradParams;
+
+  // NOTE: problems are reached through their address (grid-constant parameter space);
+  // indexing the array by value would copy it to local memory.
+  __device__ static const Problem& problem(const Params& p, const KTile& t) { return p.problems[t.problem]; }
+
+  __device__ static void prefetch_descriptors(const Params& p) {
+    for (int q = 0; q < p.sched.num_problems; ++q) {
+      cute::prefetch_tma_descriptor(&p.problems[q].a);
+      cute::prefetch_tma_descriptor(&p.problems[q].b);
+    }
+  }
+  __device__ static KGroupedScheduler scheduler(const Params& p) { return p.sched; }
+  __device__ static KTile tile(const Params&, const KGroupedScheduler& s, int t, int rank) { return s.tile(t, rank); }
+  __device__ static void producer_check(const Params& p, const KTile& t) { p.sched.check_range(t.expert, p.err); }
+  __device__ static int k_steps(const Params&, const KTile& t) { return t.k_steps; }
+
+  __device__ static void load_stage(const Params& p, const KTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
+                                    int rank) {
+    const Problem& pr = problem(p, t);
+    const int row = t.row0 + kKStepRows * k;
+#pragma unroll
+    for (int box = 0; box < 2; ++box) tma_load_2d(&pr.a, bar, a + box * 8192, 128 * t.m_tile + 64 * box, row);
+    load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
+      tma_load_2d(&pr.b, bar, b + box * 8192, 256 * t.n_tile + 64 * box, row, mask);
+    });
+  }
+
+  // Element (m, n) of dW[e] held by fragment pair i of this thread, and whether it exists.
+  struct Coord {
+    int64_t offset;  // (e*M + m)*N + n
+    bool in;
+  };
+  __device__ static Coord coord(const Problem& pr, const KTile& t, const EpiCtx& ctx, int i) {
+    const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2);
+    const int n = 256 * t.n_tile + ctx.col(i / 4);
+    return {(static_cast<int64_t>(t.expert) * pr.m + m) * pr.n + n, m < pr.m && n < pr.n};
+  }
+
+  // Accumulators start from the fp32 partial of an earlier call (exact reload) or zeros.
+  // NOTE: accumulator registers are only written by predicated instructions, never under a
+  // branch: a divergent definition makes ptxas serialise every wgmma (C7518).
+  template <class Acc>
+  __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    const Problem& pr = problem(p, t);
+    const float* partial = pr.partial_in;
+    const bool any = partial != nullptr;
+#pragma unroll
+    for (int i = 0; i < cute::size(acc); i += 2) {
+      const Coord c = coord(pr, t, ctx, i);
+      ld_f2_pred(partial + c.offset, any && c.in, acc(i), acc(i + 1));
+    }
+  }
+
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    const Problem& pr = problem(p, t);
+    if constexpr (Mode == kWgradWriteBf16) {
+#pragma unroll
+      for (int i = 0; i < cute::size(acc); i += 2) acc(i) = __uint_as_float(pack_bf16x2(acc(i), acc(i + 1)));
+      store_bf16_half<0>(pr, t, ctx, acc);
+      store_bf16_half<1>(pr, t, ctx, acc);
+    } else {
+      // Chunks of 8 pairs: the loads of a chunk are issued together (the asm statements keep
+      // their order), so their latency overlaps instead of one round trip per pair.
+      float* out = static_cast<float*>(pr.out_ptr);
+      constexpr int kChunk = 8;
+#pragma unroll
+      for (int i0 = 0; i0 < cute::size(acc); i0 += 2 * kChunk) {
+        float ox[kChunk], oy[kChunk];
+        if constexpr (Mode == kWgradAccumulateFp32) {
+#pragma unroll
+          for (int q = 0; q < kChunk; ++q) {
+            const Coord c = coord(pr, t, ctx, i0 + 2 * q);
+            ld_f2_pred(out + c.offset, c.in, ox[q], oy[q]);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kChunk; ++q) {
+          const int i = i0 + 2 * q;
+          const Coord c = coord(pr, t, ctx, i);
+          float x = acc(i), y = acc(i + 1);
+          if constexpr (Mode == kWgradAccumulateFp32) {
+            x = ox[q] + x;  // main_grad += dW: one fp32 add per element
+            y = oy[q] + y;
+          }
+          st_f2_pred(out + c.offset, c.in, x, y);
+        }
+      }
+    }
+  }
+
+  // Predicated (branch-free) 8-byte global load (zeros when off) and store.
+  __device__ static void ld_f2_pred(const float* ptr, bool on, float& x, float& y) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+        " @p ld.global.v2.f32 {%0, %1}, [%2];\n}\n"
+        : "=f"(x), "=f"(y) : "l"(ptr), "r"(static_cast<int>(on)));
+  }
+  __device__ static void st_f2_pred(float* ptr, bool on, float x, float y) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p st.global.v2.f32 [%0], {%2, %3};\n}\n"
+        ::"l"(ptr), "r"(static_cast<int>(on)), "f"(x), "f"(y) : "memory");
+  }
+
+  template <int Half, class Acc>
+  __device__ static void store_bf16_half(const Problem& pr, const KTile& t, const EpiCtx& ctx, const Acc& acc) {
+    const CUtensorMap* map = &pr.out;
+    const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
+    const int cols = pr.n, rows = pr.m;
+    store_round<16 * Half>(
+        ctx, [&](int i) { return __float_as_uint(acc(i)); },
+        [&](uint8_t* box, int b) {
+          if (col0 + 64 * b < cols && row0 < rows) {
+            cute::SM90_TMA_STORE_3D::copy(map, box, col0 + 64 * b, row0, t.expert);
+          }
+        });
+  }
+};
+
+}  // namespace mok::gemm

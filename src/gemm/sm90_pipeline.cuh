@@ -1,0 +1,97 @@
+// Synchronisation objects of the sm_90 grouped GEMM: the TMA -> wgmma stage ring (full/empty
+// mbarriers with a stage/phase state), named barriers, and the one wait helper with a
+// clock-based timeout that every spin-wait uses.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace mok::gemm {
+
+// Bits of the error word (GemmLaunch::error_flag). The host reads it after the kernel.
+enum ErrorBit : uint32_t {
+  kErrorPipelineTimeout = 1u,  // an mbarrier wait exceeded the timeout (a bug, never expected)
+  kErrorBadRowRange = 2u,      // wgrad row_begin not a multiple of the K step (64 rows)
+};
+
+struct ErrorSink {
+  uint32_t* flag;       // device word or nullptr (then a timeout traps)
+  uint64_t timeout_ns;  // longest single wait
+};
+
+// NOTE: no printf here: any function call in the kernel makes ptxas serialise wgmma.
+__device__ inline void report_error(const ErrorSink& sink, uint32_t bit, const char* /*what*/) {
+  if (sink.flag != nullptr) {
+    atomicOr(sink.flag, bit);  // integer atomic: signalling only
+  } else {
+    __trap();
+  }
+}
+
+__device__ inline uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits until the mbarrier phase with parity `phase` completed. Returns false (and records
+// kErrorPipelineTimeout) after sink.timeout_ns; the caller then abandons its role so the
+// kernel ends instead of hanging.
+__device__ inline bool wait_barrier(const uint64_t* bar, uint32_t phase, const ErrorSink& sink) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  if (Barrier::try_wait(bar, phase)) return true;
+  const uint64_t start = global_timer_ns();
+  while (!Barrier::try_wait(bar, phase)) {
+    if (global_timer_ns() - start > sink.timeout_ns) {
+      report_error(sink, kErrorPipelineTimeout, "pipeline mbarrier wait timed out");
+      return false;
+    }
+  }
+  return true;
+}
+
+// Position in the stage ring: stage index and the parity of the current round.
+template <int Stages>
+struct PipeState {
+  int index = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++index == Stages) {
+      index = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Stage ring barriers. full[s]: the producer's expect_tx plus the TMA bytes complete it.
+// empty[s]: every consumer thread arrives once it no longer reads stage s.
+template <int Stages>
+struct StageBarriers {
+  alignas(8) uint64_t full[Stages];
+  alignas(8) uint64_t empty[Stages];
+
+  __device__ void init(int consumer_threads) {
+    for (int s = 0; s < Stages; ++s) {
+      cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
+      cutlass::arch::ClusterBarrier::init(&empty[s], consumer_threads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+};
+
+// Named barriers (id 0 is __syncthreads). One per consumer warpgroup for its epilogue.
+enum class NamedBarrier : uint32_t { kEpilogueWG0 = 1, kEpilogueWG1 = 2 };
+
+__device__ inline void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Waits until every bulk (TMA) store committed by this thread has fully completed
+// (global writes done, not only the shared-memory reads).
+__device__ inline void tma_store_wait_all_complete() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+}  // namespace mok::gemm

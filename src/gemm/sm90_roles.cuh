@@ -1,0 +1,224 @@
+// Warp roles of the sm_90 grouped GEMM as small device functions over a `Kind` (what to
+// load, how to seed the accumulators, what the epilogue writes; see gemm_kinds.cuh):
+//   tma_producer    one thread: wait empty stage -> expect_tx -> TMA loads of A and B
+//   mma_mainloop    one consumer warpgroup: wait full stage -> wgmma 64xBNx64 -> release
+//   store_round     epilogue: registers -> swizzled smem box pair -> TMA store
+// The same functions are meant to be reused by the fused kernel.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+#include "gemm/gemm_config.hpp"
+#include "gemm/sm90_pipeline.cuh"
+
+namespace mok::gemm {
+
+using cute::_1;
+using cute::_2;
+using cute::_3;
+
+inline constexpr uint64_t kCacheNormal = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+// ---- Shared memory -----------------------------------------------------------------------
+
+template <class Cfg>
+struct alignas(1024) SharedStorage {
+  // Stage s: A tile [128 x 64] then B tile [BN x 64], each in the 128B-swizzled layout that
+  // the TMA boxes of the kind write (K-major: 128-byte rows of K; MN-major: 64x64 boxes).
+  alignas(1024) uint8_t a[Cfg::kStages][Cfg::kABytes];
+  alignas(1024) uint8_t b[Cfg::kStages][Cfg::kBBytes];
+  alignas(1024) uint8_t epi[Cfg::kConsumerWGs][Cfg::kEpiBytesPerWG];
+  StageBarriers<Cfg::kStages> bars;
+};
+
+// CuTe view of the operand ring: (rows, 64, stages). MN-major tiles are laid out as TMA
+// writes them: 64-wide boxes of the contiguous dimension, each holding all 64 K.
+template <Major M, int Rows, int Stages>
+__device__ inline auto smem_operand_layout() {
+  using T = cute::bfloat16_t;
+  auto shape = cute::make_shape(cute::Int<Rows>{}, cute::Int<64>{}, cute::Int<Stages>{});
+  if constexpr (M == Major::kK) {
+    return cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<T>{}, shape);
+  } else {
+    return cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<T>{}, shape, cute::Step<_2, _1, _3>{});
+  }
+}
+
+template <Major M>
+constexpr cute::GMMA::Major gmma_major() {
+  return M == Major::kK ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+}
+
+// Two 64xBNx16 wgmma atoms stacked along M: consumer warpgroup w owns tile rows [64w, 64w+64).
+template <class Cfg>
+__device__ inline auto make_consumer_mma() {
+  using T = cute::bfloat16_t;
+  auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kBN>, cute::_64>,
+                                       gmma_major<Cfg::kAMajor>(), gmma_major<Cfg::kBMajor>()>();
+  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<_2, _1, _1>>{});
+}
+
+// ---- Producer ----------------------------------------------------------------------------
+
+// One thread issues every TMA load of the CTA. Returns early only on a timeout.
+template <class Kind, class Cfg, class Scheduler>
+__device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
+                             const Scheduler& sched, int cluster_id, int clusters, int rank) {
+  PipeState<Cfg::kStages> st;
+  st.phase = 1;  // fresh empty barriers count as released: the first round does not wait
+  const int tiles = sched.num_tiles();
+  for (int t = cluster_id; t < tiles; t += clusters) {
+    const auto tile = Kind::tile(p, sched, t, rank);
+    Kind::producer_check(p, tile);
+    const int k_steps = Kind::k_steps(p, tile);
+    for (int k = 0; k < k_steps; ++k) {
+      // With clusters the stage is free only once the consumers of every CTA released it
+      // (our multicast writes into the peers' copies of the stage).
+      if (!wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return;
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
+                                                                     Cfg::kStageBytes);
+      Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
+      st.advance();
+    }
+  }
+}
+
+// TMA loads: mask == 0 loads into this CTA only; otherwise the box is multicast to the CTAs
+// of the mask (same shared-memory offset, same mbarrier offset in each).
+__device__ inline void tma_load_2d(const CUtensorMap* map, uint64_t* bar, void* smem, int c0, int c1,
+                                   uint16_t mask = 0) {
+  if (mask == 0) {
+    cute::SM90_TMA_LOAD_2D::copy(map, bar, kCacheNormal, smem, c0, c1);
+  } else {
+    cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map, bar, mask, kCacheNormal, smem, c0, c1);
+  }
+}
+__device__ inline void tma_load_3d(const CUtensorMap* map, uint64_t* bar, void* smem, int c0, int c1, int c2,
+                                   uint16_t mask = 0) {
+  if (mask == 0) {
+    cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheNormal, smem, c0, c1, c2);
+  } else {
+    cute::SM90_TMA_LOAD_MULTICAST_3D::copy(map, bar, mask, kCacheNormal, smem, c0, c1, c2);
+  }
+}
+
+// The B tile is `Boxes` boxes. Alone (or when the cluster's CTAs need different B tiles)
+// a CTA loads all of them; in a cluster sharing B, CTA `rank` loads its 1/C share and
+// multicasts it. load(box, mask) issues one box.
+template <int C, int Boxes, class LoadFn>
+__device__ inline void load_b_boxes(bool shared, int rank, LoadFn load) {
+  if (C > 1 && shared) {
+#pragma unroll
+    for (int b = 0; b < Boxes / C; ++b) load(rank * (Boxes / C) + b, static_cast<uint16_t>((1u << C) - 1));
+  } else {
+#pragma unroll
+    for (int b = 0; b < Boxes; ++b) load(b, static_cast<uint16_t>(0));
+  }
+}
+
+// ---- Consumer mainloop -------------------------------------------------------------------
+
+// K loop of one tile for one consumer warpgroup: one wgmma batch (4 x k16) per stage, one
+// batch kept in flight, the previous stage released as soon as its batch retired. The
+// accumulators keep their content (zeros or a seed): the K order is fixed, 0..k_steps-1.
+// Releases stage s. Alone: every consumer thread arrives (count 256). In a cluster: two
+// threads per warpgroup arrive, one on each CTA's barrier (count 2 warpgroups x 2 CTAs);
+// a warpgroup's wgmma completes as a whole, so one thread may speak for it.
+template <class Cfg>
+__device__ inline void release_stage(SharedStorage<Cfg>& ss, int s, int tid_in_wg) {
+  if constexpr (Cfg::kClusterM == 1) {
+    cutlass::arch::ClusterBarrier::arrive(&ss.bars.empty[s]);
+  } else {
+    constexpr int kSpacing = kWarpGroupThreads / Cfg::kClusterM;
+    cutlass::arch::ClusterBarrier::arrive(&ss.bars.empty[s], tid_in_wg / kSpacing, tid_in_wg % kSpacing == 0);
+  }
+}
+template <class Cfg>
+constexpr int empty_barrier_arrivals() {
+  return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
+}
+
+template <class Cfg, class Mma, class FragA, class FragB, class Acc>
+__device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
+                             Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
+                             const ErrorSink& err, int tid_in_wg) {
+  using cute::_;
+  int prev = -1;
+  for (int k = 0; k < k_steps; ++k) {
+    if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
+    cute::warpgroup_fence_operand(acc);
+    cute::warpgroup_arrive();
+    cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();
+    cute::warpgroup_fence_operand(acc);
+    if (prev >= 0) release_stage(ss, prev, tid_in_wg);
+    prev = st.index;
+    st.advance();
+  }
+  cute::warpgroup_wait<0>();
+  cute::warpgroup_fence_operand(acc);
+  if (prev >= 0) release_stage(ss, prev, tid_in_wg);
+  return true;
+}
+
+// ---- Epilogue ----------------------------------------------------------------------------
+
+// Where one consumer thread's accumulator values sit. wgmma m64nN fragment, value i:
+// row = 16*warp + lane/4 + 8*((i/2)%2), col = 8*(i/4) + 2*(lane%4) + i%2 (PTX ISA, D layout).
+struct EpiCtx {
+  int wg;      // consumer warpgroup: tile rows [64*wg, 64*wg + 64)
+  int tid;     // thread in the warpgroup
+  uint8_t* stage;  // this warpgroup's 16 KiB staging buffer (two 64x64 SW128 boxes)
+  uint32_t stage_saddr;  // its shared-window address
+
+  __device__ int lane() const { return tid % 32; }
+  __device__ int row_in_wg(int v1) const { return 16 * (tid / 32) + (tid % 32) / 4 + 8 * v1; }
+  __device__ int row_in_tile(int v1) const { return 64 * wg + row_in_wg(v1); }
+  __device__ int col(int j) const { return 8 * j + 2 * (tid % 4); }  // first of a column pair
+  __device__ uint32_t barrier_id() const {
+    return static_cast<uint32_t>(wg == 0 ? NamedBarrier::kEpilogueWG0 : NamedBarrier::kEpilogueWG1);
+  }
+};
+
+// Byte offset in the staging box pair of this thread's column pair in fragment block jj
+// (0..15) and row half v1: element (r, c) of two 64x64 bf16 boxes with the TMA 128B swizzle
+// (16-byte chunk index XOR row mod 8). For a thread r mod 8 = lane/4 and the byte within the
+// chunk is 4*(lane%4), so only the chunk XOR depends on jj; writes of a warp hit 32 banks.
+__device__ inline uint32_t staged_offset(const EpiCtx& ctx, int jj, int v1) {
+  const int lane = ctx.tid % 32;
+  const uint32_t base = (16 * (ctx.tid / 32) + lane / 4) * 128 + 4 * (lane % 4);
+  const uint32_t chunk = ((jj % 8) << 4) ^ ((lane / 4) << 4);
+  return (jj / 8) * 8192 + v1 * 1024 + base + chunk;
+}
+
+// One store round: the warpgroup writes 64 rows x 128 columns (column pairs of fragment
+// blocks J0..J0+15, values from pair(i) = packed bf16x2 of fragment values i, i+1) into its
+// staging boxes, then one thread stores them with `issue(box_smem, box)`. The staging
+// buffer is reused only after the previous round's TMA reads finished.
+template <int J0, class PairFn, class IssueFn>
+__device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue) {
+  if (ctx.tid == 0) cute::tma_store_wait<0>();
+  named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
+#pragma unroll
+  for (int jj = 0; jj < 16; ++jj) {
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int i = 4 * (J0 + jj) + 2 * v1;
+      const uint32_t bits = pair(i);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(ctx.stage_saddr + staged_offset(ctx, jj, v1)), "r"(bits));
+    }
+  }
+  cute::tma_store_fence();  // make the generic-proxy smem writes visible to the TMA unit
+  named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
+  if (ctx.tid == 0) {
+    issue(ctx.stage, 0);
+    issue(ctx.stage + 8192, 1);
+    cute::tma_store_arrive();
+  }
+}
+
+}  // namespace mok::gemm
