@@ -1,10 +1,18 @@
 // `mok info` and `mok bench`.
 #include <nccl.h>
 
+#include <algorithm>
+#include <barrier>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "cli.hpp"
+#include "comm/cuda_check.hpp"
+#include "megakernel/bench_support.hpp"
 #include "mok/api.hpp"
+#include "mok/bootstrap.hpp"
 #include "mok/version.hpp"
 
 namespace mok::cli {
@@ -35,16 +43,57 @@ int run_info() {
   return 0;
 }
 
+// `mok bench`: schedule + forward of the --shape layer on every local GPU (EP = the GPUs), random
+// data and uniform routing; per rank the median of --iters after 3 warm-ups, every iteration
+// started on all ranks together. The full side-by-side benchmark is build/bin/bench_forward.
 int run_bench(const Options& opts) {
-  const std::string shape = opts.str("shape");
-  if (shape != "dsv3" && shape != "qwen3" && shape != "gptoss") {
-    throw_invalid("--shape", "dsv3, qwen3 or gptoss", shape);
-  }
-  (void)opts.integer("tokens", 0, 1 << 24);
-  if (!engine_info().gpu_forward) {
-    throw Error(Status::kNotImplemented,
-                "mok bench: the fused GPU forward is not built yet; the GEMM and communication benchmarks "
-                "are build/bin/bench_gemm and build/bin/bench_comm");
+  const std::string name = opts.str("shape");
+  if (name != "dsv3" && name != "qwen3" && name != "gptoss") throw_invalid("--shape", "dsv3, qwen3 or gptoss", name);
+  const int64_t tokens = opts.integer("tokens", 0, 1 << 24);
+  const int iters = static_cast<int>(opts.integer("iters", 1, 1000));
+  const int gpus = bootstrap::local_device_count();
+  if (gpus < 1) throw Error(Status::kCudaError, "mok bench: no CUDA GPU visible (the forward runs on the GPU)");
+  const LayerShape shape = megakernel::bench_shape(name, gpus, tokens);
+  shape.validate();
+  const auto routing = megakernel::uniform_routing(shape, 2026);
+  const char* path = std::getenv("MOK_FORWARD_PATH");
+  std::printf("mok bench: %s, EP=%d (every local GPU), %s forward%s\n", shape.to_string().c_str(), gpus,
+              path && std::string(path) == "staged" ? "staged" : "fused", " (schedule + forward, Config defaults)");
+  std::vector<double> ms(gpus, 0.0);
+  std::barrier<> sync(gpus);
+  bootstrap::run_local_ranks(bootstrap::all_local_devices(), [&](bootstrap::LocalRank& r) {
+    auto ws = Workspace::create(shape, Config{}, r.comm, r.device);
+    megakernel::RandomLayer layer(shape, r.rank, routing[r.rank], 7);
+    cudaStream_t stream;
+    MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+    cudaEvent_t a, b;
+    MOK_CUDA_CHECK(cudaEventCreate(&a));
+    MOK_CUDA_CHECK(cudaEventCreate(&b));
+    std::vector<double> t;
+    for (int i = 0; i < 3 + iters; ++i) {
+      MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+      sync.arrive_and_wait();
+      MOK_CUDA_CHECK(cudaEventRecord(a, stream));
+      schedule(*ws, layer.topk_idx.get(), stream);
+      forward(*ws, layer.args(), layer.weights(), stream);
+      MOK_CUDA_CHECK(cudaEventRecord(b, stream));
+      MOK_CUDA_CHECK(cudaEventSynchronize(b));
+      float x = 0;
+      MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
+      if (i >= 3) t.push_back(x);
+    }
+    ws->check();
+    std::sort(t.begin(), t.end());
+    ms[r.rank] = t[t.size() / 2];
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sync.arrive_and_wait();  // no rank frees its window while a peer may still read it
+    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+  });
+  const double flops = megakernel::forward_flops(shape);
+  for (int r = 0; r < gpus; ++r) {
+    std::printf("  rank %d: forward %.3f ms, %.1f useful TFLOP/s\n", r, ms[r], flops / ms[r] / 1e9);
   }
   return 0;
 }

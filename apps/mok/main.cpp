@@ -27,7 +27,11 @@ commands:
             --engine E      auto | cpu | gpu (default auto: the GPU forward when a GPU is
                             visible, else the CPU reference; the backward runs on the CPU
                             reference until the GPU backward exists)
-  bench   time the fused forward on every local GPU (needs the GPU engine)
+  bench   time schedule + forward on every local GPU (EP = the GPUs; random data,
+          uniform routing; MOK_FORWARD_PATH=staged times the staged forward)
+            --shape S       dsv3 | qwen3 | gptoss (default dsv3)
+            --tokens N      tokens per rank (default 0 = the shape's: 8192, 16384, 8192)
+            --iters N       timed iterations after 3 warm-ups (default 10)
   info    what this build contains: engine, GPUs, NCCL
   help    this text (also --help, -h)
   version print the version
@@ -60,7 +64,7 @@ int main(int argc, char** argv) {
                  {"seed", "1"}, {"engine", "auto"}}));
     }
     if (cmd == "bench") {
-      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"tokens", "0"}}));
+      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"tokens", "0"}, {"iters", "10"}}));
     }
     std::fprintf(stderr, "mok: unknown command '%s' (expected demo, bench, info, help or version)\n", cmd.c_str());
     return 2;

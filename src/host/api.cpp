@@ -1,7 +1,9 @@
 // Entry points of include/mok/api.hpp that are not part of the workspace/schedule
-// (src/host/workspace.cpp). The forward runs the staged GPU path (src/megakernel); the GPU
-// backward is not built yet and refuses with kNotImplemented rather than return wrong numbers.
+// (src/host/workspace.cpp). The forward runs the fused GPU kernel (src/megakernel, or the
+// staged launches with MOK_FORWARD_PATH=staged); the GPU backward is not built yet and
+// refuses with kNotImplemented rather than return wrong numbers.
 #include "host/workspace_impl.hpp"
+#include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
 
@@ -13,7 +15,8 @@ EngineInfo engine_info() {
   info.gpu_forward = true;
   info.gpu_backward = false;
   info.description =
-      "Hopper (sm_90a): GPU schedule, dispatch, grouped GEMMs and combine as a staged forward; "
+      "Hopper (sm_90a): GPU schedule, then one fused persistent forward kernel (dispatch, shared and routed "
+      "expert GEMMs, combine; MOK_FORWARD_PATH=staged: the same steps as separate launches); "
       "no GPU backward yet (the CPU reference in src/reference computes it)";
   return info;
 }
@@ -46,12 +49,20 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   if (args.y == nullptr) throw_invalid("ForwardArgs.y", "a device pointer to [T, H] bf16", "nullptr");
   Workspace::Impl& impl = ws.impl();
   DeviceGuard guard(impl.device);
-  megakernel::StagedForwardOptions options;
-  options.dispatch_ctas = impl.config.comm_sms_forward;
-  options.combine_ctas = impl.config.comm_sms_forward;
-  options.gemm_grid = impl.config.grid_sms;
-  options.timeout_s = impl.config.wait_timeout_s;
-  megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);
+  if (impl.forward_path == megakernel::ForwardPath::kFused) {
+    megakernel::FusedForwardOptions options;
+    options.comm_ctas = impl.config.comm_sms_forward;
+    options.grid = impl.config.grid_sms;
+    options.timeout_s = impl.config.wait_timeout_s;
+    megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
+  } else {
+    megakernel::StagedForwardOptions options;
+    options.dispatch_ctas = impl.config.comm_sms_forward;
+    options.combine_ctas = impl.config.comm_sms_forward;
+    options.gemm_grid = impl.config.grid_sms;
+    options.timeout_s = impl.config.wait_timeout_s;
+    megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);
+  }
   impl.last_stream = stream;
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "comm/comm_state.hpp"
+#include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
 
@@ -22,6 +23,9 @@ struct Workspace::Impl {
   ncclComm_t comm = nullptr;
   std::unique_ptr<comm::CommState> state;
   std::unique_ptr<megakernel::ForwardBuffers> forward;  // GEMM buffers and saved context
+  // Which forward mok::forward runs: the fused kernel (default) or the staged launches
+  // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
+  megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

@@ -22,9 +22,10 @@ __global__ void segments_from_schedule(const comm::ScheduleHeader* header, const
   }
 }
 
-// y is NaN (0xFFFF) whenever the schedule was poisoned: never silently wrong.
-__global__ void poison_if_failed(const comm::ScheduleHeader* header, uint4* y, int64_t vecs) {
-  if (header->status == 0) return;
+// y is NaN (0xFFFF) whenever the schedule was poisoned or a wait timed out: never silently wrong.
+__global__ void poison_if_failed(const comm::ScheduleHeader* header, const comm::DeviceErrorRecord* error, uint4* y,
+                                 int64_t vecs) {
+  if (header->status == 0 && *reinterpret_cast<const volatile int32_t*>(&error->code) == 0) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x) {
     y[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
   }
@@ -74,7 +75,8 @@ ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows)
       shared_g(shared_rows * s.shared_intermediate),
       shared_u(shared_rows * s.shared_intermediate),
       shared_out(s.has_shared() ? shared_rows * s.hidden : 0),
-      gemm_error(1) {
+      gemm_error(1),
+      tile_counters(shared_rows / kRowTile + 2 * (rows / kRowTile)) {
   const int32_t off[2] = {0, static_cast<int32_t>(shared_rows)};
   const int32_t real = static_cast<int32_t>(s.tokens);
   MOK_CUDA_CHECK(cudaMemcpy(shared_offsets.get(), off, sizeof(off), cudaMemcpyHostToDevice));
@@ -88,14 +90,26 @@ void forward_gemms_only(comm::CommState& state, ForwardBuffers& b, const ExpertW
   run_expert_gemms(state.shape(), b, w, state.row_buffer(), o, stream);
 }
 
+void convert_segments(comm::CommState& state, ForwardBuffers& b, cudaStream_t stream) {
+  const comm::ScheduleView view = state.view();
+  segments_from_schedule<<<1, 256, 0, stream>>>(view.header, view.expert_offset, view.expert_rows,
+                                                 static_cast<int>(state.shape().local_experts()), b.seg_offsets.get(),
+                                                 b.seg_rows.get());
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const int64_t vecs = s.tokens * s.hidden * 2 / 16;
+  poison_if_failed<<<static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 1024)), 256, 0, stream>>>(
+      state.view().header, state.error_record(), reinterpret_cast<uint4*>(y), vecs);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
 void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
                     const StagedForwardOptions& o, cudaStream_t stream) {
   const LayerShape& s = state.shape();
-  const comm::ScheduleView view = state.view();
-  segments_from_schedule<<<1, 256, 0, stream>>>(view.header, view.expert_offset, view.expert_rows,
-                                                 static_cast<int>(s.local_experts()), b.seg_offsets.get(),
-                                                 b.seg_rows.get());
-  MOK_CUDA_CHECK(cudaGetLastError());
+  convert_segments(state, b, stream);
   state.stage_x(args.x, stream);
   if (s.has_shared()) {
     MOK_CUDA_CHECK(cudaMemcpyAsync(b.shared_x.get(), args.x, s.tokens * s.hidden * sizeof(bf16),
@@ -105,10 +119,7 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
   run_expert_gemms(s, b, w, state.row_buffer(), o, stream);
   state.combine(b.expert_out.get(), o.combine_ctas, stream);
   state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, args.y, stream);
-  const int64_t vecs = s.tokens * s.hidden * 2 / 16;
-  poison_if_failed<<<static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 1024)), 256, 0, stream>>>(
-      view.header, reinterpret_cast<uint4*>(args.y), vecs);
-  MOK_CUDA_CHECK(cudaGetLastError());
+  poison_y_on_error(state, args.y, stream);
 }
 
 void check_gemm_errors(ForwardBuffers& b, cudaStream_t stream) {

@@ -29,6 +29,9 @@ struct ForwardBuffers {
   comm::DeviceBuffer<bf16> shared_h, shared_g, shared_u;    // [shared_rows, I_shared]
   comm::DeviceBuffer<bf16> shared_out;                      // [shared_rows, H]
   comm::DeviceBuffer<uint32_t> gemm_error;                  // GEMM error bits (gemm::ErrorBit)
+  // Fused forward completion counters, zeroed before each pass: s1_done [shared_rows / 128],
+  // g1_done and g2_done [buffer_rows / 128] each (src/megakernel/fused_roles.cuh).
+  comm::DeviceBuffer<uint32_t> tile_counters;
 };
 
 struct StagedForwardOptions {
@@ -48,6 +51,13 @@ void staged_forward(comm::CommState& state, ForwardBuffers& buffers, const Forwa
 // the buffers: the "GEMMs alone" time of the benchmark.
 void forward_gemms_only(comm::CommState& state, ForwardBuffers& buffers, const ExpertWeights& weights,
                         const StagedForwardOptions& options, cudaStream_t stream);
+
+// Steps shared by the staged and the fused forward.
+// The schedule's int64 segment table -> the GEMM engine's int32 one (empty when poisoned).
+void convert_segments(comm::CommState& state, ForwardBuffers& buffers, cudaStream_t stream);
+// y = NaN (0xFFFF) when the schedule was poisoned or a wait of this rank timed out: never
+// silently wrong (Workspace::check() throws the reason).
+void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream);
 
 // Throws the first GEMM error recorded since the last call (after synchronising `stream`).
 void check_gemm_errors(ForwardBuffers& buffers, cudaStream_t stream);

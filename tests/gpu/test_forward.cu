@@ -2,13 +2,18 @@
 // accuracy within the numerics tolerance on fresh random inputs with y poisoned first, and
 // the determinism contract bitwise: D1 (repeats), D2 (knobs), D3 (ep = 1 vs 2), plus the
 // error paths (capacity overflow, bad expert id) that must poison y and raise mok::Error.
+// mok::forward runs the fused kernel unless MOK_FORWARD_PATH=staged (run the binary both
+// ways: scripts/gpu_forward.sh); FusedVsStaged asserts the two paths give the same bits in y
+// and in the saved context (g, u of every routed and shared row).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 
 #include "test_comm_harness.cuh"
+#include "megakernel/fused_forward.hpp"
 #include "reference/layer.hpp"
 
 namespace mok::test {
@@ -111,7 +116,8 @@ RankData upload_rank(const Problem& p, int rank) {
 // Runs `repeats` forwards per config on every rank; returns y [config][repeat][rank] (bf16 bits).
 // y is poisoned (0xFF = NaN) before every pass, so an unwritten element cannot pass.
 using Outputs = std::vector<std::vector<std::vector<std::vector<uint16_t>>>>;
-Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeats) {
+Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeats,
+                std::optional<megakernel::ForwardPath> path = std::nullopt) {
   const LayerShape& s = p.shape;
   Outputs out(configs.size(), std::vector<std::vector<std::vector<uint16_t>>>(repeats, std::vector<std::vector<uint16_t>>(s.ep)));
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
@@ -121,6 +127,7 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
     for (size_t c = 0; c < configs.size(); ++c) {
       auto ws = Workspace::create(s, configs[c], r.comm, r.device);
+      if (path) ws->impl().forward_path = *path;
       for (int i = 0; i < repeats; ++i) {
         MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), stream));
         schedule(*ws, d.idx.get(), stream);
@@ -230,6 +237,11 @@ TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
   Config grid = default_config(s);
   grid.grid_sms = 40;
   configs.push_back(grid);
+  Config tiny = default_config(s);  // one comm CTA and one GEMM CTA: every wait is on another CTA
+  tiny.comm_sms_forward = tiny.comm_sms_backward = 1;
+  tiny.grid_sms = 2;
+  tiny.minibatch = 256;
+  configs.push_back(tiny);
   const Outputs base = run_gpu(p, {configs[0]}, 100);
   const Outputs knobs = run_gpu(p, configs, 1);
   for (int r = 0; r < ep; ++r) {
@@ -253,6 +265,101 @@ TEST(ForwardEpInvariance, Ep1AndEp2GiveIdenticalBits) {
   std::vector<uint16_t> joined;
   for (int r = 0; r < 2; ++r) joined.insert(joined.end(), y2[0][0][r].begin(), y2[0][0][r].end());
   EXPECT_TRUE(same_bits(joined, y1[0][0][0]));
+}
+
+// ---- fused == staged, bit for bit, in y and in the saved forward context ------------------------
+struct PassBits {
+  std::vector<uint16_t> y, g, u, shared_g, shared_u;  // g, u: the schedule's padded rows only
+};
+
+std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path) {
+  const LayerShape& s = p.shape;
+  std::vector<PassBits> out(s.ep);
+  RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    ws->impl().forward_path = path;
+    megakernel::ForwardBuffers& fb = *ws->impl().forward;
+    for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
+      if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
+    }
+    MOK_CUDA_CHECK(cudaMemset(d.y.get(), 0xFF, d.y.bytes()));
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), nullptr);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+    ws->check();
+    comm::ScheduleHeader h{};
+    MOK_CUDA_CHECK(cudaMemcpy(&h, ws->impl().state->view().header, sizeof(h), cudaMemcpyDeviceToHost));
+    auto get = [](const bf16* src, size_t n) {
+      std::vector<uint16_t> v(n);
+      if (n) MOK_CUDA_CHECK(cudaMemcpy(v.data(), src, n * 2, cudaMemcpyDeviceToHost));
+      return v;
+    };
+    PassBits& o = out[r.rank];
+    o.y = get(d.y.get(), d.y.size());
+    o.g = get(fb.g.get(), size_t(h.padded_rows) * s.intermediate);
+    o.u = get(fb.u.get(), size_t(h.padded_rows) * s.intermediate);
+    o.shared_g = get(fb.shared_g.get(), size_t(s.tokens) * s.shared_intermediate);
+    o.shared_u = get(fb.shared_u.get(), size_t(s.tokens) * s.shared_intermediate);
+  });
+  return out;
+}
+
+class FusedVsStaged : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
+  const auto [ep, which] = GetParam();
+  MOK_REQUIRE_GPUS(ep);
+  Case c = cases()[which];
+  c.shape.ep = ep;
+  if (c.shape.experts % ep) c.shape.experts *= ep;
+  const Problem p = make_problem(c.shape, c.pattern, 3000 + which * 10 + ep);
+  Config cfg = default_config(c.shape);
+  cfg.minibatch = 128;  // many minibatches: GEMM2 of one overlaps GEMM1 of the next
+  const auto staged = run_path(p, cfg, megakernel::ForwardPath::kStaged);
+  const auto fused = run_path(p, cfg, megakernel::ForwardPath::kFused);
+  for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused[r].y, staged[r].y)) << c.name << " rank " << r << ": y";
+    EXPECT_TRUE(same_bits(fused[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g";
+    EXPECT_TRUE(same_bits(fused[r].u, staged[r].u)) << c.name << " rank " << r << ": saved u";
+    EXPECT_TRUE(same_bits(fused[r].shared_g, staged[r].shared_g)) << c.name << " rank " << r << ": shared g";
+    EXPECT_TRUE(same_bits(fused[r].shared_u, staged[r].shared_u)) << c.name << " rank " << r << ": shared u";
+    bool finite = true;
+    for (uint16_t v : fused[r].y) finite &= std::isfinite(ref::from_bf16(v));
+    EXPECT_TRUE(finite) << "y holds NaN/Inf";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep, FusedVsStaged, ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6)),
+                         [](const auto& info) {
+                           return std::string(cases()[std::get<1>(info.param)].name) + "_ep" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+// A grid the fused kernel cannot keep resident is refused before anything runs.
+TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
+  const Problem p = make_problem(s, Pattern::kUniform, 8);
+  int sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Config cfg = default_config(s);
+  cfg.grid_sms = sms + 1;
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), nullptr);
+    try {
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+      ADD_FAILURE() << "expected mok::Error for grid_sms = " << cfg.grid_sms;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("grid_sms"), std::string::npos) << e.what();
+    }
+    ws->check();
+  });
 }
 
 // Errors: the workspace raises mok::Error at check() and y is NaN, never silently wrong.

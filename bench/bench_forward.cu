@@ -1,0 +1,387 @@
+// bench_forward: mok's forward pass per rank on every local GPU (EP = the GPUs used, one
+// thread per GPU, launch mode (a)) for the DESIGN §8 shapes, side by side in one run:
+//   fwd_ms               schedule + fused forward (one persistent kernel), best comm-CTA count of the sweep
+//   staged_fwd_ms        schedule + the staged forward (the same steps as separate launches)
+//   gemms_alone_ms       only the forward's grouped GEMMs (shared + routed), every SM, no communication
+//   unfused_baseline_ms  what a careful user builds without fusion: mok's GPU schedule for the
+//                        layout, permute kernels, NCCL all-to-all (grouped ncclSend/ncclRecv) of
+//                        the token rows, mok's grouped GEMMs, permute, all-to-all back, mok's top-k sum
+//   cublas_dense_tflops  one cuBLAS bf16 GEMM of the same FLOPs ([M, 3I] x [3I, H])
+// useful TFLOP/s = (2*3*H*I*T*K + 2*3*H*I_sh*T) per rank / time. Every iteration starts on all
+// ranks together (host barrier); CUDA events; median of --iters after --warmup; the slowest
+// rank's median is reported. Uniform random routing, random non-zero data. Bitwise checks at
+// full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
+//
+//   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3]
+//                 [--tokens N] [--ep N] [--out bench/results/2026-11-30-forward.json]
+//
+// The baseline is favoured: its index maps and per-peer counts are computed once on the host
+// (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
+// and the shared expert reads x without a copy.
+#include <cublas_v2.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_record.hpp"
+#include "comm/cuda_check.hpp"
+#include "host/workspace_impl.hpp"
+#include "megakernel/bench_support.hpp"
+#include "megakernel/fused_forward.hpp"
+#include "megakernel/staged_forward.hpp"
+#include "mok/api.hpp"
+#include "mok/bootstrap.hpp"
+
+namespace {
+
+using namespace mok;
+
+struct Options {
+  std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
+  std::vector<int> comm{8, 16, 24, 32};
+  int iters = 10, warmup = 3, ep = 0;
+  int64_t tokens = 0;
+  std::string out = "bench/results/2026-11-30-forward.json";
+};
+
+std::vector<std::string> split(const std::string& v) {
+  std::vector<std::string> out;
+  std::stringstream s(v);
+  for (std::string x; std::getline(s, x, ',');) out.push_back(x);
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--shapes") o.shapes = split(v);
+    else if (k == "--comm") {
+      o.comm.clear();
+      for (const auto& c : split(v)) o.comm.push_back(std::stoi(c));
+    } else if (k == "--iters") o.iters = std::stoi(v);
+    else if (k == "--warmup") o.warmup = std::stoi(v);
+    else if (k == "--tokens") o.tokens = std::stoll(v);
+    else if (k == "--ep") o.ep = std::stoi(v);
+    else if (k == "--out") o.out = v;
+    else {
+      std::fprintf(stderr, "bench_forward: unknown option %s\n", k.c_str());
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+#define CUBLAS_OK(x)                                                                          \
+  do {                                                                                        \
+    const cublasStatus_t s_ = (x);                                                            \
+    if (s_ != CUBLAS_STATUS_SUCCESS) throw Error(Status::kCudaError, "cuBLAS status " + std::to_string(int(s_))); \
+  } while (0)
+
+// ---- timing ------------------------------------------------------------------------------------
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+template <class Op>
+double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
+  cudaEvent_t a, b;
+  MOK_CUDA_CHECK(cudaEventCreate(&a));
+  MOK_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sync.arrive_and_wait();  // every rank starts the iteration together
+    MOK_CUDA_CHECK(cudaEventRecord(a, stream));
+    op();
+    MOK_CUDA_CHECK(cudaEventRecord(b, stream));
+    MOK_CUDA_CHECK(cudaEventSynchronize(b));
+    float x = 0;
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
+    if (i >= o.warmup) ms.push_back(x);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(ms);
+}
+
+// ---- the unfused baseline ------------------------------------------------------------------------
+// dst[i] = src[map[i]] (rows of `vecs` 16-byte vectors), map[i] < 0: a zero row. One warp a row.
+__global__ void gather_rows_kernel(int4* dst, const int4* src, const int32_t* map, int64_t rows, int64_t vecs) {
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows; r += warps) {
+    const int32_t from = map[r];
+    int4* d = dst + r * vecs;
+    for (int64_t v = threadIdx.x % 32; v < vecs; v += 32) d[v] = from >= 0 ? src[from * vecs + v] : make_int4(0, 0, 0, 0);
+  }
+}
+
+void gather_rows(void* dst, const void* src, const int32_t* map, int64_t rows, int64_t row_bytes, cudaStream_t s) {
+  if (rows == 0) return;
+  gather_rows_kernel<<<1056, 256, 0, s>>>(static_cast<int4*>(dst), static_cast<const int4*>(src), map, rows,
+                                          row_bytes / 16);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+template <class T>
+comm::DeviceBuffer<T> upload(const std::vector<T>& v) {
+  comm::DeviceBuffer<T> d(v.size());
+  if (!v.empty()) MOK_CUDA_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct Baseline {
+  int64_t padded_rows = 0, total_send = 0, total_recv = 0;
+  std::vector<int64_t> send_rows, recv_rows;  // per peer
+  comm::DeviceBuffer<int32_t> send_map, unpack_map, back_map, slot_map;
+  comm::DeviceBuffer<bf16> send, recv, back, recv_back;
+
+  // Index maps from the global routing and this rank's schedule rows (downloaded once).
+  Baseline(const LayerShape& s, int rank, const std::vector<std::vector<int32_t>>& routing,
+           const std::vector<comm::RowEntry>& rows)
+      : padded_rows(static_cast<int64_t>(rows.size())), send_rows(s.ep, 0), recv_rows(s.ep, 0) {
+    const int64_t TK = s.tokens * s.topk;
+    std::vector<int32_t> send_map_h, slot_map_h(TK, -1);
+    for (int p = 0; p < s.ep; ++p) {  // send buffer: blocks per destination, (t, k) order inside
+      for (int64_t e = 0; e < TK; ++e) {
+        if (s.owner_rank(routing[rank][e]) != p) continue;
+        slot_map_h[e] = static_cast<int32_t>(send_map_h.size());  // the reply comes back in this order
+        send_map_h.push_back(static_cast<int32_t>(e / s.topk));
+        ++send_rows[p];
+      }
+    }
+    std::vector<std::vector<int32_t>> pos(s.ep, std::vector<int32_t>(TK, -1));  // (src, entry) -> recv row
+    for (int src = 0; src < s.ep; ++src) {
+      for (int64_t e = 0; e < TK; ++e) {
+        if (s.owner_rank(routing[src][e]) != rank) continue;
+        pos[src][e] = static_cast<int32_t>(total_recv++);
+        ++recv_rows[src];
+      }
+    }
+    std::vector<int32_t> unpack_h(padded_rows, -1), back_h(total_recv, -1);
+    for (int64_t i = 0; i < padded_rows; ++i) {
+      const comm::RowEntry& r = rows[i];
+      if (r.src_rank < 0) continue;
+      const int32_t j = pos[r.src_rank][int64_t(r.token) * s.topk + r.k];
+      unpack_h[i] = j;
+      back_h[j] = static_cast<int32_t>(i);
+    }
+    total_send = static_cast<int64_t>(send_map_h.size());
+    send_map = upload(send_map_h);
+    slot_map = upload(slot_map_h);
+    unpack_map = upload(unpack_h);
+    back_map = upload(back_h);
+    send = comm::DeviceBuffer<bf16>(total_send * s.hidden);
+    recv_back = comm::DeviceBuffer<bf16>(total_send * s.hidden);
+    recv = comm::DeviceBuffer<bf16>(total_recv * s.hidden);
+    back = comm::DeviceBuffer<bf16>(total_recv * s.hidden);
+  }
+
+  // Grouped ncclSend/ncclRecv: `out_rows[p]` rows to p from `sendbuf`, `in_rows[p]` from p into `recvbuf`.
+  static void all_to_all(const bf16* sendbuf, const std::vector<int64_t>& out_rows, bf16* recvbuf,
+                         const std::vector<int64_t>& in_rows, int64_t row_bytes, ncclComm_t comm, cudaStream_t st) {
+    MOK_NCCL_CHECK(ncclGroupStart());
+    int64_t so = 0, ro = 0;
+    for (size_t p = 0; p < out_rows.size(); ++p) {
+      MOK_NCCL_CHECK(ncclSend(reinterpret_cast<const char*>(sendbuf) + so * row_bytes, out_rows[p] * row_bytes,
+                              ncclChar, static_cast<int>(p), comm, st));
+      MOK_NCCL_CHECK(ncclRecv(reinterpret_cast<char*>(recvbuf) + ro * row_bytes, in_rows[p] * row_bytes, ncclChar,
+                              static_cast<int>(p), comm, st));
+      so += out_rows[p];
+      ro += in_rows[p];
+    }
+    MOK_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  void run(Workspace& ws, const megakernel::RandomLayer& L, ncclComm_t comm, cudaStream_t st) {
+    Workspace::Impl& impl = ws.impl();
+    comm::CommState& state = *impl.state;
+    megakernel::ForwardBuffers& b = *impl.forward;
+    const LayerShape& s = state.shape();
+    const int64_t row_bytes = s.hidden * 2;
+    schedule(ws, L.topk_idx.get(), st);  // the layout (mok's GPU schedule)
+    megakernel::convert_segments(state, b, st);
+    gather_rows(send.get(), L.x.get(), send_map.get(), total_send, row_bytes, st);
+    all_to_all(send.get(), send_rows, recv.get(), recv_rows, row_bytes, comm, st);
+    gather_rows(state.row_buffer(), recv.get(), unpack_map.get(), padded_rows, row_bytes, st);
+    megakernel::StagedForwardOptions o;  // GEMMs on every SM
+    megakernel::forward_gemms_only(state, b, L.weights(), o, st);
+    gather_rows(back.get(), b.expert_out.get(), back_map.get(), total_recv, row_bytes, st);
+    all_to_all(back.get(), recv_rows, recv_back.get(), send_rows, row_bytes, comm, st);
+    gather_rows(state.window_local() + state.layout().slots, recv_back.get(), slot_map.get(), s.tokens * s.topk,
+                row_bytes, st);
+    state.epilogue(L.topk_w.get(), s.has_shared() ? b.shared_out.get() : nullptr, L.y.get(), st);
+  }
+};
+
+// ---- one rank, one shape ---------------------------------------------------------------------------
+struct RankResult {
+  std::map<int, double> fused_ms;  // comm CTAs -> ms
+  double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
+  int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
+};
+
+RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
+                     bootstrap::LocalRank& lr, std::barrier<>& sync) {
+  RankResult res;
+  Config cfg;  // capacity 2.0, default minibatch
+  auto ws = Workspace::create(s, cfg, lr.comm, lr.device);
+  Workspace::Impl& impl = ws->impl();
+  comm::CommState& state = *impl.state;
+  megakernel::ForwardBuffers& buf = *impl.forward;
+  cudaStream_t st;
+  MOK_CUDA_CHECK(cudaStreamCreate(&st));
+  megakernel::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
+  const ExpertWeights w = L.weights();
+  const ForwardArgs args = L.args();
+  comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
+
+  // Fused, sweeping the communication CTAs.
+  for (int c : o.comm) {
+    megakernel::FusedForwardOptions fo;
+    fo.comm_ctas = c;
+    fo.timeout_s = cfg.wait_timeout_s;
+    res.fused_ms[c] = time_ms(o, sync, st, [&] {
+      schedule(*ws, L.topk_idx.get(), st);
+      megakernel::fused_forward(state, buf, args, w, fo, st);
+    });
+    impl.last_stream = st;
+    ws->check();
+  }
+  MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
+
+  megakernel::StagedForwardOptions so;
+  so.timeout_s = cfg.wait_timeout_s;
+  res.staged_ms = time_ms(o, sync, st, [&] {
+    schedule(*ws, L.topk_idx.get(), st);
+    megakernel::staged_forward(state, buf, args, w, so, st);
+  });
+  ws->check();
+  res.fused_vs_staged = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  res.gemms_ms = time_ms(o, sync, st, [&] { megakernel::forward_gemms_only(state, buf, w, so, st); });
+  ws->check();
+
+  // Unfused baseline: maps from this rank's schedule rows (downloaded once, not timed).
+  comm::ScheduleHeader h{};
+  MOK_CUDA_CHECK(cudaMemcpy(&h, state.view().header, sizeof(h), cudaMemcpyDeviceToHost));
+  std::vector<comm::RowEntry> rows(h.padded_rows);
+  MOK_CUDA_CHECK(cudaMemcpy(rows.data(), state.view().rows, rows.size() * sizeof(comm::RowEntry),
+                            cudaMemcpyDeviceToHost));
+  {
+    Baseline base(s, lr.rank, routing, rows);
+    if (s.has_shared()) {  // the shared expert's rows: x itself (T is a multiple of 128 here)
+      MOK_CUDA_CHECK(cudaMemcpy(buf.shared_x.get(), args.x, s.tokens * s.hidden * 2, cudaMemcpyDeviceToDevice));
+    }
+    res.baseline_ms = time_ms(o, sync, st, [&] { base.run(*ws, L, lr.comm, st); });
+    ws->check();
+    res.baseline_vs_fused = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  }
+
+  // cuBLAS dense GEMM of (about) the same FLOPs: [M, 3I] x [H, 3I]^T, M rounded up to 128.
+  {
+    const int64_t N = s.hidden, K = 3 * s.intermediate;
+    const int64_t M = (static_cast<int64_t>(megakernel::forward_flops(s) / (2.0 * N * K)) + 127) / 128 * 128;
+    comm::DeviceBuffer<bf16> A(M * K), B(N * K), C(M * N);
+    megakernel::fill_random_bf16(A.get(), A.size(), 91, 1.0f, st);
+    megakernel::fill_random_bf16(B.get(), B.size(), 92, 0.02f, st);
+    cublasHandle_t blas;
+    CUBLAS_OK(cublasCreate(&blas));
+    CUBLAS_OK(cublasSetStream(blas, st));
+    const float one = 1.0f, zero = 0.0f;
+    res.cublas_ms = time_ms(o, sync, st, [&] {  // row-major C = A B^T as cuBLAS column-major C^T = B A^T
+      CUBLAS_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B.get(), CUDA_R_16BF,
+                             int(K), A.get(), CUDA_R_16BF, int(K), &zero, C.get(), CUDA_R_16BF, int(N),
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    res.cublas_flops = 2.0 * double(M) * double(N) * double(K);
+    cublasDestroy(blas);
+  }
+  MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+  sync.arrive_and_wait();  // nobody frees its window while a peer may still read it
+  MOK_CUDA_CHECK(cudaStreamDestroy(st));
+  return res;
+}
+
+std::string fmt(double v) {
+  char b[64];
+  std::snprintf(b, sizeof(b), "%.4g", v);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  const int gpus = bootstrap::local_device_count();
+  if (gpus < 1) {
+    std::printf("bench_forward: no CUDA device visible, nothing measured\n");
+    return 0;
+  }
+  const int ep = o.ep > 0 ? std::min(o.ep, gpus) : gpus;
+  std::vector<LayerShape> shapes;
+  std::vector<std::vector<std::vector<int32_t>>> routings;
+  for (const auto& name : o.shapes) {
+    shapes.push_back(megakernel::bench_shape(name, ep, o.tokens));
+    routings.push_back(megakernel::uniform_routing(shapes.back(), 2026));
+  }
+  std::vector<std::vector<RankResult>> res(shapes.size(), std::vector<RankResult>(ep));
+  std::barrier<> sync(ep);
+  std::vector<int> devices(ep);
+  for (int i = 0; i < ep; ++i) devices[i] = i;
+  bootstrap::run_local_ranks(devices, [&](bootstrap::LocalRank& lr) {
+    for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, shapes[i], routings[i], lr, sync);
+  });
+
+  std::ostringstream results;
+  std::printf("bench_forward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d\n", ep, gpus, o.iters);
+  std::printf("%-7s %5s %9s %9s %9s %9s %9s %9s %9s %6s %6s\n", "shape", "comm", "fwd_ms", "TFLOP/s", "staged",
+              "gemms", "fwd/gemm", "unfused", "cublasTF", "f==s", "b==f");
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const LayerShape& s = shapes[i];
+    auto worst = [&](auto get) {
+      double m = 0;
+      for (const auto& r : res[i]) m = std::max(m, get(r));
+      return m;
+    };
+    int best_comm = o.comm.front();
+    double best = 1e30;
+    std::ostringstream sweep;
+    for (int c : o.comm) {
+      const double ms = worst([&](const RankResult& r) { return r.fused_ms.at(c); });
+      sweep << (sweep.tellp() > 0 ? ", " : "") << "\"fwd_ms_comm" << c << "\": " << fmt(ms);
+      if (ms < best) best = ms, best_comm = c;
+    }
+    const double flops = megakernel::forward_flops(s);
+    const double staged = worst([](const RankResult& r) { return r.staged_ms; });
+    const double gemms = worst([](const RankResult& r) { return r.gemms_ms; });
+    const double base = worst([](const RankResult& r) { return r.baseline_ms; });
+    const double cublas_tf = res[i][0].cublas_flops / worst([](const RankResult& r) { return r.cublas_ms; }) / 1e9;
+    bool fs = true, bf = true;
+    for (const auto& r : res[i]) fs &= r.fused_vs_staged == 0, bf &= r.baseline_vs_fused == 0;
+    std::printf("%-7s %5d %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.1f %6s %6s\n", o.shapes[i].c_str(), best_comm, best,
+                flops / best / 1e9, staged, gemms, best / gemms, base, cublas_tf, fs ? "yes" : "NO", bf ? "yes" : "NO");
+    results << (i ? ",\n  " : "") << "{\"bench\": \"forward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
+            << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"metrics\": {"
+            << "\"fwd_ms\": " << fmt(best) << ", \"fwd_tflops\": " << fmt(flops / best / 1e9)
+            << ", \"gemms_alone_ms\": " << fmt(gemms) << ", \"unfused_baseline_ms\": " << fmt(base)
+            << ", \"cublas_dense_tflops\": " << fmt(cublas_tf) << ", \"staged_fwd_ms\": " << fmt(staged)
+            << ", \"comm_sms\": " << best_comm << ", \"fwd_over_gemms_alone\": " << fmt(best / gemms)
+            << ", \"fwd_tflops_over_cublas\": " << fmt(flops / best / 1e9 / cublas_tf)
+            << ", \"unfused_baseline_tflops\": " << fmt(flops / base / 1e9)
+            << ", \"fused_equals_staged\": " << (fs ? "true" : "false")
+            << ", \"baseline_equals_fused\": " << (bf ? "true" : "false") << ", " << sweep.str() << "}}";
+  }
+  if (ep < 2) std::printf("NOTE: EP=1 (one GPU): no NVLink traffic; the EP=2 acceptance figures are NOT measured\n");
+  std::ofstream f(o.out);
+  f << bench::record_envelope(bench::command_line(argc, argv), "[\n  " + results.str() + "\n]");
+  std::printf("wrote %s\n", o.out.c_str());
+  return f ? 0 : 1;
+}

@@ -1,0 +1,245 @@
+// The fused forward kernel (entry: role dispatch only) and its host launcher.
+#include "megakernel/fused_forward.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "comm/barrier.cuh"
+#include "comm/cuda_check.hpp"
+#include "gemm/gemm_host.hpp"
+#include "megakernel/fused_comm.cuh"
+#include "megakernel/fused_roles.cuh"
+
+namespace mok::megakernel {
+namespace {
+
+// ---- kernel ---------------------------------------------------------------------------------
+
+// Communication CTAs: dispatch (after the "x staged everywhere" barrier), then combine (each
+// row tile once GEMM 2 published it), then the barrier after which every rank's slots hold
+// every row. A failed barrier (timeout, recorded) skips the role; waiters give up at once.
+__device__ void comm_cta(const FusedForwardParams& p, int cta) {
+  const uint32_t n = static_cast<uint32_t>(p.comm_ctas);
+  if (group_barrier_all(p.dispatch_start, n, p.dispatch.peers, p.wait)) {
+    dispatch_rows_pull<FusedCta::kWarps>(p.dispatch, cta, static_cast<int>(n));
+  }
+  combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(n));
+  group_barrier_all(p.combine_done, n, p.combine.peers, p.wait);
+}
+
+// GEMM CTAs: warpgroup 0 produces, 1-2 consume (as the standalone GEMM kernel). Each role is
+// one branch, as setmaxnreg requires.
+__device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta, int ctas) {
+  auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                          ~uintptr_t(1023));
+  if (threadIdx.x == 0) {
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>());
+    G1Kind::prefetch_descriptors(p.routed1);
+    G2Kind::prefetch_descriptors(p.routed2);
+  }
+  __syncthreads();
+  TaskList list = p.tasks;
+  list.set_routed_rows(p.routed1.sched.offsets, p.experts);
+  const int warpgroup = threadIdx.x / gemm::kWarpGroupThreads;
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0) gemm_producer(p, list, *ss, cta, ctas);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    gemm_consumer(p, list, *ss, cta, ctas);
+  }
+}
+
+__global__ void __launch_bounds__(FusedCta::kThreads, 1)
+    fused_forward_kernel(const __grid_constant__ FusedForwardParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  const int cta = static_cast<int>(blockIdx.x);
+  if (cta < p.comm_ctas) {
+    comm_cta(p, cta);
+  } else {
+    gemm_cta(p, smem_raw, cta - p.comm_ctas, static_cast<int>(gridDim.x) - p.comm_ctas);
+  }
+#endif
+}
+
+// ---- host -----------------------------------------------------------------------------------
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct DeviceLimits {
+  int sms = 0;
+  int blocks_per_sm = 0;
+};
+
+// SM count and the fused kernel's occupancy on the current device (cached per thread).
+DeviceLimits device_limits() {
+  thread_local int cached_device = -1;
+  thread_local DeviceLimits cached;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&cached.sms, cudaDevAttrMultiProcessorCount, device));
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        FusedCta::kSmemBytes));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached.blocks_per_sm, fused_forward_kernel,
+                                                                 FusedCta::kThreads, FusedCta::kSmemBytes));
+    cached_device = device;
+  }
+  return cached;
+}
+
+// Every CTA must be resident at once (CTAs spin on each other): one per SM, grid <= SMs.
+int resolve_grid(const FusedForwardOptions& o) {
+  const DeviceLimits lim = device_limits();
+  if (lim.blocks_per_sm < 1) {
+    throw Error(Status::kCudaError, "mok fused forward: the kernel does not fit on an SM (occupancy 0)");
+  }
+  const int grid = o.grid > 0 ? o.grid : lim.sms;
+  if (grid > lim.sms) {
+    throw_invalid("Config.grid_sms", "at most the SMs of the device (" + std::to_string(lim.sms) +
+                                         "): the fused kernel's CTAs wait on each other and must all be resident",
+                  std::to_string(grid));
+  }
+  if (o.comm_ctas < 1 || o.comm_ctas >= grid) {
+    throw_invalid("Config.comm_sms_forward",
+                  "in [1, " + std::to_string(grid - 1) + "] (the grid of " + std::to_string(grid) +
+                      " CTAs must keep at least one GEMM CTA)",
+                  std::to_string(o.comm_ctas));
+  }
+  return grid;
+}
+
+gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf16* gate, const bf16* up,
+                                         int64_t experts, bf16* h, bf16* g, bf16* u, int64_t out_rows, int64_t H,
+                                         int64_t I, const gemm::ErrorSink& err) {
+  using gemm::host::map_bf16;
+  gemm::Gemm1SwigluParams p{};
+  p.x = map_bf16(x, 0, x_rows, H, 64, 128, "x");
+  p.w_gate = map_bf16(gate, experts, I, H, 64, 128, "w_gate");
+  p.w_up = map_bf16(up, experts, I, H, 64, 128, "w_up");
+  p.h = map_bf16(h, 0, out_rows, I, 64, 64, "h");
+  p.g = map_bf16(g, 0, out_rows, I, 64, 64, "g");
+  p.u = map_bf16(u, 0, out_rows, I, 64, 64, "u");
+  p.k_steps = static_cast<int>(H / 64);
+  p.inter = static_cast<int>(I);
+  p.err = err;
+  return p;
+}
+
+gemm::Gemm2Params gemm2_params_for(const bf16* h, const bf16* down, int64_t experts, bf16* out, int64_t rows,
+                                   int64_t H, int64_t I, const gemm::ErrorSink& err) {
+  using gemm::host::map_bf16;
+  gemm::Gemm2Params p{};
+  p.h = map_bf16(h, 0, rows, I, 64, 128, "h");
+  p.w_down = map_bf16(down, experts, H, I, 64, 128, "w_down");
+  p.out = map_bf16(out, 0, rows, H, 64, 64, "out");
+  p.k_steps = static_cast<int>(I / 64);
+  p.hidden = static_cast<int>(H);
+  p.err = err;
+  return p;
+}
+
+FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args,
+                               const ExpertWeights& w, const FusedForwardOptions& o) {
+  const LayerShape& s = state.shape();
+  const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate, E = s.local_experts();
+  const int64_t R = b.buffer_rows;
+  const gemm::ErrorSink err{b.gemm_error.get(), static_cast<uint64_t>(o.timeout_s * 1e9)};
+  FusedForwardParams p{};
+  p.routed1 = gemm1_params_for(state.row_buffer(), R, w.gate, w.up, E, b.h.get(), b.g.get(), b.u.get(), R, H, I, err);
+  p.routed2 = gemm2_params_for(b.h.get(), w.down, E, b.expert_out.get(), R, H, I, err);
+  p.routed1.sched.offsets = b.seg_offsets.get();  // expert_of / real rows of a routed row tile
+  p.routed1.sched.rows = b.seg_rows.get();
+  p.routed1.sched.experts = static_cast<int>(E);
+  p.routed1.sched.n_tiles = static_cast<int>(ceil_div(I, 128));
+  p.routed1.sched.group_m = gemm::kGroupM;
+  p.routed1.sched.cluster = 1;
+  if (s.has_shared()) {
+    gemm::host::check_pointer("ForwardArgs.x", args.x);
+    // x itself is the shared expert's row operand: TMA reads rows past T as zeros, exactly
+    // the zero padding rows of the staged forward's copy.
+    p.shared1 = gemm1_params_for(args.x, s.tokens, w.shared_gate, w.shared_up, 1, b.shared_h.get(),
+                                 b.shared_g.get(), b.shared_u.get(), b.shared_rows, H, S, err);
+    p.shared2 = gemm2_params_for(b.shared_h.get(), w.shared_down, 1, b.shared_out.get(), b.shared_rows, H, S, err);
+  }
+  p.tasks.shared_row_tiles = s.has_shared() ? static_cast<int>(b.shared_rows / kRowTile) : 0;
+  p.tasks.shared_n1 = static_cast<int>(ceil_div(S, 128));
+  p.tasks.n1 = static_cast<int>(ceil_div(I, 128));
+  p.tasks.n2 = static_cast<int>(ceil_div(H, 256));
+  p.tasks.tiles_per_minibatch = static_cast<int>(state.view().minibatch / kRowTile);
+  p.tasks.group_m = gemm::kGroupM;
+  p.shared_tokens = static_cast<int>(s.tokens);
+  p.experts = static_cast<int>(E);
+  const int64_t shared_tiles = b.shared_rows / kRowTile, routed_tiles = R / kRowTile;
+  p.s1_done = b.tile_counters.get();
+  p.g1_done = p.s1_done + shared_tiles;
+  p.g2_done = p.g1_done + routed_tiles;
+  p.ready = state.ready_counters();
+  p.view = state.view();
+  p.wait = state.wait_context();
+  p.comm_ctas = o.comm_ctas;
+
+  comm::DispatchRole& d = p.dispatch;  // as CommState::dispatch
+  d.peers = state.peers();
+  d.x_offset = state.layout().x;
+  d.row_bytes = H * 2;
+  d.header = p.view.header;
+  d.rows = p.view.rows;
+  d.row_buffer = reinterpret_cast<char*>(state.row_buffer());
+  d.ready = state.ready_counters();
+  d.tile_done = state.tile_flags();
+  d.tiles_per_minibatch = p.view.minibatch / kRowTile;
+  d.dedup = false;  // the fused dispatch pulls every row (fused_comm.cuh)
+  d.wait = p.wait;
+
+  comm::CombineRole& c = p.combine;  // as CommState::combine, gated per row tile by GEMM 2
+  c.peers = state.peers();
+  c.slots_offset = state.layout().slots;
+  c.row_bytes = H * 2;
+  c.topk = s.topk;
+  c.header = p.view.header;
+  c.rows = p.view.rows;
+  c.expert_out = reinterpret_cast<const char*>(b.expert_out.get());
+  c.out_ready = p.g2_done;
+  c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
+  c.wait = p.wait;
+  // Barrier epochs in the order every rank issues them.
+  p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};
+  p.combine_done = comm::GroupBarrier{
+      state.sync(static_cast<comm::SyncSite>(static_cast<int>(comm::SyncSite::kFirstFree) + 1)), state.layout().flags,
+      state.next_epoch()};
+  return p;
+}
+
+}  // namespace
+
+ForwardPath forward_path_from_env() {
+  const char* v = std::getenv("MOK_FORWARD_PATH");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "fused") == 0) return ForwardPath::kFused;
+  if (std::strcmp(v, "staged") == 0) return ForwardPath::kStaged;
+  throw_invalid("MOK_FORWARD_PATH", "fused (default) or staged", v);
+}
+
+const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kStaged ? "staged" : "fused"; }
+
+void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
+                   const FusedForwardOptions& o, cudaStream_t stream) {
+  const int grid = resolve_grid(o);
+  if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
+  const comm::ScheduleBuffers& sb = state.schedule_buffers();
+  convert_segments(state, b, stream);
+  state.stage_x(args.x, stream);
+  const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + dedup tile flags
+  MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
+  const FusedForwardParams p = make_params(state, b, args, w, o);
+  fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  const LayerShape& s = state.shape();
+  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, args.y, stream);
+  poison_y_on_error(state, args.y, stream);
+}
+
+}  // namespace mok::megakernel

@@ -1,0 +1,39 @@
+// The fused GPU forward (DESIGN §2, §6): after the schedule, ONE persistent kernel (one CTA
+// per SM) whose CTAs take roles from a deterministic task list:
+//   - communication CTAs (Config::comm_sms_forward): dispatch every minibatch (pull over
+//     NVLink, raising per-minibatch ready counters), then combine every row tile as soon as
+//     GEMM 2 finished it (push to the owner's slots), then a barrier of all ranks;
+//   - GEMM CTAs: shared-expert tiles first, then per minibatch GEMM1+SwiGLU (once its rows
+//     arrived) and GEMM2 (once its hidden row tile is complete), publishing per-row-tile
+//     completion counters (src/megakernel/task_list.cuh, fused_roles.cuh).
+// The fixed-order top-k sum epilogue runs as a small kernel after it. Same GEMM tiles, same K
+// order, same epilogues as the staged forward: the bits are the staged forward's bits.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "comm/comm_state.hpp"
+#include "megakernel/staged_forward.hpp"
+#include "mok/api.hpp"
+
+namespace mok::megakernel {
+
+// Which forward mok::forward runs. Default fused; MOK_FORWARD_PATH=staged selects the staged
+// forward (benchmarking, bisecting), read once when a workspace is created.
+enum class ForwardPath { kFused = 0, kStaged = 1 };
+ForwardPath forward_path_from_env();
+const char* forward_path_name(ForwardPath path);
+
+struct FusedForwardOptions {
+  int comm_ctas = 16;       // Config::comm_sms_forward
+  int grid = 0;             // Config::grid_sms; 0 = every SM. Must leave >= 1 GEMM CTA.
+  double timeout_s = 10.0;  // Config::wait_timeout_s
+};
+
+// One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the
+// saved context (g, u, shared g, u, combine slots) stays in the buffers as in staged_forward.
+// Throws mok::Error for a grid that cannot be co-resident (grid > SMs, or no GEMM CTA left).
+void fused_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
+                   const ExpertWeights& weights, const FusedForwardOptions& options, cudaStream_t stream);
+
+}  // namespace mok::megakernel
