@@ -1,19 +1,29 @@
 // bench_comm: dispatch and combine bandwidth of the communication layer on every local GPU
 // (EP = number of GPUs used, one thread per GPU, launch mode (a)), side by side in one run with
-//   - NCCL all-to-all (grouped ncclSend/ncclRecv) of the same bytes per peer pair, and
-//   - a plain peer-to-peer pull kernel in the same pattern (every GPU pulls at once),
-// sweeping the communication CTAs. DeepSeek-V3-like shape by default (H 7168, top-8, 256
-// experts, T 8192 per rank, uniform routing). With one GPU the EP=1 self-copy variant runs
-// (local HBM, no NVLink) and the JSON says the EP>=2 figures were not measured.
+//   - NCCL all-to-all (grouped ncclSend/ncclRecv) of the same bytes per (source, destination)
+//     pair, the own rank's share included (NCCL copies it locally, like dispatch/combine do), and
+//   - plain peer copies of the remote bytes only, every GPU at once: pull and push, through
+//     registers (warp) or bulk async copies (TMA),
+// sweeping the communication CTAs and every copy engine (CopyEngine) of dispatch and combine.
+// DeepSeek-V3-like shape by default (H 7168, top-8, 256 experts, T 8192 per rank, uniform
+// routing). With one GPU the EP=1 self-copy variant runs (local HBM, no NVLink) and the JSON says
+// the EP>=2 figures were not measured.
 //
-//   bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 10] [--out file.json]
+//   bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 20] [--out file.json]
+//              [--dispatch warp,warp_dedup,hybrid,bulk,bulk_dedup] [--combine warp,hybrid,bulk]
+//              [--copy pull_warp,push_warp,pull_bulk,push_bulk]
 //
-// Bytes are counted honestly, per rank and one way: `dispatch_bytes_moved` = rows pulled from
-// other ranks (one per (token, k), the plain dispatch), `dispatch_bytes_min` = distinct
-// (token, destination rank) pairs (what the dedup dispatch moves over NVLink). GB/s = those
-// bytes / time of the slowest rank. Times include the role's phase barrier.
+// Bytes, per rank and one way: `dispatch_bytes_moved` = rows from other ranks, one per (token, k)
+// (what crosses NVLink in the plain dispatch and in combine), `dispatch_bytes_min` = distinct
+// (token, rank) pairs from other ranks (what the dedup dispatches move over NVLink). A variant's
+// GB/s divides the bytes IT moves over NVLink by the slowest rank's time; the own rank's rows
+// (`self_bytes`, local HBM) and padding rows are extra work dispatch/combine and NCCL do and the
+// plain copies do not. Times include the role's phase barrier. Every point is printed as soon as
+// it is measured; a device error stops the sweep and the JSON keeps what was measured.
 #include <algorithm>
+#include <atomic>
 #include <barrier>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -22,23 +32,35 @@
 #include <string>
 #include <vector>
 
+#include "bench_record.hpp"
 #include "comm/comm_state.hpp"
 #include "comm/cuda_check.hpp"
 #include "comm/roles.cuh"
+#include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
-#include "bench_record.hpp"
 
 namespace {
 
 using namespace mok;
+using comm::CopyEngine;
+
+std::vector<std::string> split(const std::string& v) {
+  std::vector<std::string> out;
+  std::stringstream s(v);
+  for (std::string x; std::getline(s, x, ',');) out.push_back(x);
+  return out;
+}
 
 struct Options {
   int64_t tokens = 8192;
   int ep = 0;  // 0 = every local GPU
   std::vector<int> ctas{8, 16, 24, 32};
-  int iters = 10, warmup = 3;
+  int iters = 20, warmup = 3;
+  std::vector<std::string> dispatch{"warp", "warp_dedup", "hybrid", "bulk", "bulk_dedup"};
+  std::vector<std::string> combine{"warp", "hybrid", "bulk"};
+  std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk"};
   std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
 };
 
@@ -50,10 +72,12 @@ Options parse(int argc, char** argv) {
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--iters") o.iters = std::stoi(v);
     else if (k == "--out") o.out = v;
+    else if (k == "--dispatch") o.dispatch = split(v);
+    else if (k == "--combine") o.combine = split(v);
+    else if (k == "--copy") o.copy = split(v);
     else if (k == "--ctas") {
       o.ctas.clear();
-      std::stringstream s(v);
-      for (std::string x; std::getline(s, x, ',');) o.ctas.push_back(std::stoi(x));
+      for (const auto& x : split(v)) o.ctas.push_back(std::stoi(x));
     } else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       std::exit(2);
@@ -62,57 +86,199 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// ---- plain peer-to-peer pull in the dispatch pattern ----------------------------------------------
-struct PullSegments {
-  const int4* src[kMaxEp];
-  int4* dst[kMaxEp];
-  int64_t vecs[kMaxEp];
+// ---- what is measured ------------------------------------------------------------------------------
+enum class Kind { kCopy, kDispatch, kCombine };
+const char* kind_name(Kind k) { return k == Kind::kCopy ? "copy" : k == Kind::kDispatch ? "dispatch" : "combine"; }
+
+struct Variant {
+  Kind kind;
+  std::string name;
+  CopyEngine engine = CopyEngine::kWarp;
+  bool dedup = false;  // dispatch: NVLink moves dispatch_bytes_min
+  bool push = false;   // copy: local -> peer
+  bool bulk = false;   // copy: bulk async copies
+  bool risky = false;  // bulk copies over NVLink: measured last
+};
+
+bool lookup(Kind kind, const std::string& name, Variant& v) {
+  v = Variant{kind, name};
+  if (kind == Kind::kCopy) {
+    if (name != "pull_warp" && name != "push_warp" && name != "pull_bulk" && name != "push_bulk") return false;
+    v.push = name.rfind("push", 0) == 0;
+    v.bulk = name.find("bulk") != std::string::npos;
+    v.risky = v.bulk;
+    return true;
+  }
+  if (name == "warp" || name == "warp_dedup") v.engine = CopyEngine::kWarp;
+  else if (name == "hybrid") v.engine = CopyEngine::kHybrid;
+  else if (name == "bulk" || name == "bulk_dedup") v.engine = CopyEngine::kBulk;
+  else return false;
+  v.dedup = kind == Kind::kDispatch && name.find("dedup") != std::string::npos;
+  if (kind == Kind::kCombine && v.dedup) return false;
+  v.risky = v.engine == CopyEngine::kBulk;  // hybrid's bulk copies are local only
+  return true;
+}
+
+// Safe variants first (registers, local bulk copies), bulk copies over NVLink last: a failure
+// there cannot cost the other measurements.
+std::vector<Variant> plan(const Options& o) {
+  std::vector<Variant> safe, risky;
+  auto add = [&](Kind kind, const std::vector<std::string>& names) {
+    for (const auto& n : names) {
+      Variant v;
+      if (!lookup(kind, n, v)) {
+        std::fprintf(stderr, "unknown %s variant %s\n", kind_name(kind), n.c_str());
+        std::exit(2);
+      }
+      (v.risky ? risky : safe).push_back(v);
+    }
+  };
+  add(Kind::kCopy, o.copy);
+  add(Kind::kDispatch, o.dispatch);
+  add(Kind::kCombine, o.combine);
+  safe.insert(safe.end(), risky.begin(), risky.end());
+  return safe;
+}
+
+struct Point {
+  Variant v;
+  int ctas = 0;
+  double ms[kMaxEp] = {};
+  double worst() const { return *std::max_element(ms, ms + kMaxEp); }
+};
+
+// ---- plain peer copies of the remote bytes ----------------------------------------------------------
+struct CopySegments {
+  const char* src[kMaxEp];
+  char* dst[kMaxEp];
+  int64_t bytes[kMaxEp];
   int n = 0;
 };
 
-constexpr int64_t kChunkVecs = 32 * comm::CommCtaConfig::kUnroll;  // one warp_copy round: 8 KiB
+__device__ constexpr int64_t kWarpChunk = 32 * comm::CommCtaConfig::kUnroll * 16;  // one warp_copy round: 8 KiB
 
-__global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1) pull_kernel(const PullSegments s) {
+__global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1) copy_warp_kernel(const CopySegments s) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t gw = static_cast<int64_t>(blockIdx.x) * comm::CommCtaConfig::kWarps + warp;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * comm::CommCtaConfig::kWarps;
   for (int p = 0; p < s.n; ++p) {
-    for (int64_t c = gw; c * kChunkVecs < s.vecs[p]; c += nw) {
-      int64_t n = s.vecs[p] - c * kChunkVecs;
-      if (n > kChunkVecs) n = kChunkVecs;
-      comm::warp_copy(s.dst[p] + c * kChunkVecs, s.src[p] + c * kChunkVecs, n, lane, comm::StableLoad{});
+    for (int64_t c = gw; c * kWarpChunk < s.bytes[p]; c += nw) {
+      const int64_t n = s.bytes[p] - c * kWarpChunk < kWarpChunk ? s.bytes[p] - c * kWarpChunk : kWarpChunk;
+      comm::warp_copy(reinterpret_cast<int4*>(s.dst[p] + c * kWarpChunk),
+                      reinterpret_cast<const int4*>(s.src[p] + c * kWarpChunk), n / 16, lane, comm::StableLoad{});
     }
   }
 }
 
-// ---- timing ----------------------------------------------------------------------------------------
-struct Timer {
-  cudaEvent_t a, b;
-  Timer() {
-    MOK_CUDA_CHECK(cudaEventCreate(&a));
-    MOK_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+// Chunks c, c + n, ... of every segment for one CTA's bulk engine.
+struct ChunkSource {
+  const CopySegments* s;
+  int64_t first, c, stride;
+  uint32_t chunk;
+  int p = 0;
+  __device__ bool next(comm::BulkJob& job) {
+    const int lane = threadIdx.x & 31;
+    while (p < s->n) {
+      const int64_t off = c * chunk;
+      if (off < s->bytes[p]) {
+        job.src = s->src[p] + off;
+        job.bytes = static_cast<uint32_t>(std::min<int64_t>(chunk, s->bytes[p] - off));
+        job.valid = lane == 0;
+        job.dst = s->dst[p] + off;
+        job.row = -1;
+        c += stride;
+        return true;
+      }
+      ++p;
+      c = first;
+    }
+    return false;
   }
 };
 
+__global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1)
+    copy_bulk_kernel(const CopySegments s, uint32_t chunk, uint32_t smem_bytes, const comm::WaitContext wait) {
+  extern __shared__ __align__(128) char smem[];
+  const comm::BulkLayout lay = comm::make_bulk_layout(chunk, 1, 0, comm::bulk_usable(smem_bytes));
+  const comm::BulkSmem sm = comm::bulk_setup(smem, lay);
+  if (threadIdx.x >= 32) return;
+  ChunkSource source{&s, blockIdx.x, blockIdx.x, gridDim.x, lay.chunk};
+  comm::TileRowCounter none;
+  comm::bulk_engine<false>(source, sm, none, comm::WaitSite::kTest, wait);
+}
+
+// ---- launches as CommState::dispatch / combine, with the engine chosen --------------------------
+void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stream) {
+  const LayerShape& s = st.shape();
+  const comm::ScheduleBuffers& sb = st.schedule_buffers();
+  comm::DispatchLaunch l;
+  l.role.peers = st.peers();
+  l.role.x_offset = st.layout().x;
+  l.role.row_bytes = s.hidden * 2;
+  l.role.header = sb.header.get();
+  l.role.rows = sb.rows.get();
+  l.role.row_buffer = reinterpret_cast<char*>(st.row_buffer());
+  l.role.ready = st.ready_counters();
+  l.role.tile_done = st.tile_flags();
+  l.role.tiles_per_minibatch = sb.minibatch / kRowTile;
+  l.role.dedup = v.dedup;
+  l.role.wait = st.wait_context();
+  l.role.engine = v.engine;
+  l.role.dest_row = sb.dest_row.get();
+  l.role.tokens = s.tokens;
+  l.role.topk = s.topk;
+  l.start = comm::GroupBarrier{st.sync(comm::SyncSite::kDispatchStart), st.layout().flags, st.next_epoch()};
+  l.ctas = ctas;
+  l.counters = st.ready_counters();
+  l.counter_words = sb.max_minibatches + sb.buffer_rows / kRowTile;
+  comm::launch_dispatch(l, stream);
+}
+
+void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, const Variant& v, cudaStream_t stream) {
+  const LayerShape& s = st.shape();
+  comm::CombineLaunch l;
+  l.role.peers = st.peers();
+  l.role.slots_offset = st.layout().slots;
+  l.role.row_bytes = s.hidden * 2;
+  l.role.topk = s.topk;
+  l.role.header = st.schedule_buffers().header.get();
+  l.role.rows = st.schedule_buffers().rows.get();
+  l.role.expert_out = reinterpret_cast<const char*>(expert_out);
+  l.role.wait = st.wait_context();
+  l.role.engine = v.engine;
+  l.done = comm::GroupBarrier{st.sync(comm::SyncSite::kCombineDone), st.layout().flags, st.next_epoch()};
+  l.ctas = ctas;
+  comm::launch_combine(l, stream);
+}
+
+// ---- timing ----------------------------------------------------------------------------------------
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-struct SweepPoint {
-  int ctas = 0;
-  double dispatch_ms = 0, dispatch_dedup_ms = 0, combine_ms = 0, p2p_ms = 0;
-};
-
-struct RankResult {
-  int64_t real_rows = 0, remote_rows = 0, remote_first_rows = 0, self_rows = 0, first_rows = 0;
-  std::vector<SweepPoint> sweep;
-  double nccl_ms = 0, epilogue_ms = 0, schedule_ms = 0;
-};
+// Times `iters` runs of `op` on every rank; all ranks start each run together (host barrier).
+template <class Op>
+double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
+  cudaEvent_t a, b;
+  MOK_CUDA_CHECK(cudaEventCreate(&a));
+  MOK_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sync.arrive_and_wait();
+    MOK_CUDA_CHECK(cudaEventRecord(a, stream));
+    op();
+    MOK_CUDA_CHECK(cudaEventRecord(b, stream));
+    MOK_CUDA_CHECK(cudaEventSynchronize(b));
+    float x = 0;
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
+    if (i >= o.warmup) ms.push_back(x);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(ms);
+}
 
 std::vector<std::vector<int32_t>> uniform_routing(const LayerShape& s, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -130,29 +296,37 @@ std::vector<std::vector<int32_t>> uniform_routing(const LayerShape& s, uint64_t 
   return idx;
 }
 
-// Times `iters` runs of `op` on every rank; all ranks start each run together (host barrier).
-template <class Op>
-double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
-  Timer t;
-  std::vector<double> ms;
-  for (int i = 0; i < o.warmup + o.iters; ++i) {
-    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    sync.arrive_and_wait();
-    MOK_CUDA_CHECK(cudaEventRecord(t.a, stream));
-    op();
-    MOK_CUDA_CHECK(cudaEventRecord(t.b, stream));
-    MOK_CUDA_CHECK(cudaEventSynchronize(t.b));
-    float x = 0;
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, t.a, t.b));
-    if (i >= o.warmup) ms.push_back(x);
-  }
-  return median(ms);
+struct RowStats {
+  int64_t real = 0, remote = 0, remote_first = 0, self = 0, self_first = 0, padding = 0;
+};
+
+struct Shared {
+  const Options& o;
+  LayerShape shape;
+  std::vector<Point> points;
+  std::vector<RowStats> stats;
+  std::vector<double> nccl_ms, epilogue_ms, schedule_ms;
+  std::atomic<bool> failed{false};
+  std::string failure;
+  std::barrier<> sync;
+  Shared(const Options& opt, const LayerShape& s, std::vector<Point> p)
+      : o(opt), shape(s), points(std::move(p)), stats(s.ep), nccl_ms(s.ep), epilogue_ms(s.ep), schedule_ms(s.ep),
+        sync(s.ep) {}
+};
+
+std::string fmt(double v) {
+  if (!std::isfinite(v)) return "null";
+  char b[64];
+  std::snprintf(b, sizeof(b), "%.4g", v);
+  return b;
 }
 
-RankResult run_rank(const Options& o, const LayerShape& shape, const Config& cfg,
-                    const std::vector<std::vector<int32_t>>& routing, const std::vector<std::vector<int64_t>>& pair_rows,
-                    bootstrap::LocalRank& lr, std::barrier<>& sync) {
-  RankResult res;
+void write_json(Shared& sh, const std::string& command);
+
+void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32_t>>& routing,
+              const std::vector<std::vector<int64_t>>& pair_rows, bootstrap::LocalRank& lr, const std::string& command) {
+  const Options& o = sh.o;
+  const LayerShape& shape = sh.shape;
   const int ep = shape.ep, r = lr.rank;
   const int64_t row_bytes = shape.hidden * 2;
   auto ws = Workspace::create(shape, cfg, lr.comm, lr.device);
@@ -169,15 +343,17 @@ RankResult run_rank(const Options& o, const LayerShape& shape, const Config& cfg
   MOK_CUDA_CHECK(cudaMemcpy(&header, sb.header.get(), sizeof(header), cudaMemcpyDeviceToHost));
   std::vector<comm::RowEntry> rows(header.padded_rows);
   MOK_CUDA_CHECK(cudaMemcpy(rows.data(), sb.rows.get(), rows.size() * sizeof(comm::RowEntry), cudaMemcpyDeviceToHost));
-  res.real_rows = header.real_rows;
+  RowStats& rs = sh.stats[r];
+  rs.real = header.real_rows;
   for (const auto& e : rows) {
-    if (e.src_rank < 0) continue;
-    res.first_rows += e.copy_from < 0 ? 1 : 0;
-    if (e.src_rank == r) {
-      ++res.self_rows;
+    if (e.src_rank < 0) {
+      ++rs.padding;
+    } else if (e.src_rank == r) {
+      ++rs.self;
+      rs.self_first += e.copy_from < 0 ? 1 : 0;
     } else {
-      ++res.remote_rows;
-      res.remote_first_rows += e.copy_from < 0 ? 1 : 0;
+      ++rs.remote;
+      rs.remote_first += e.copy_from < 0 ? 1 : 0;
     }
   }
   // Payloads: x (staged once) and expert outputs; contents do not matter for timing.
@@ -189,68 +365,207 @@ RankResult run_rank(const Options& o, const LayerShape& shape, const Config& cfg
   comm::DeviceBuffer<__nv_bfloat16> y(shape.tokens * shape.hidden);
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 
-  // Plain pull pattern: from each source rank s, the bytes this rank's dispatch pulls from s,
-  // read from s's combine-slot region (large enough) into the row buffer.
-  PullSegments seg;
-  int64_t dst_off = 0;
+  // Plain copies: from / to each peer s, the bytes dispatch pulls from s (= combine pushes to
+  // s at EP=2). Pull: s's combine-slot region -> the row buffer; push: row buffer -> s's slots.
+  CopySegments pull, push;
+  int64_t off = 0;
   for (int s = 0; s < ep; ++s) {
     if (ep > 1 && s == r) continue;  // EP=1: the self-copy variant
-    const int64_t vecs = pair_rows[s][r] * row_bytes / 16;
-    seg.src[seg.n] = reinterpret_cast<const int4*>(st.peers().base[s] + st.layout().slots);
-    seg.dst[seg.n] = reinterpret_cast<int4*>(st.row_buffer()) + dst_off;
-    seg.vecs[seg.n] = vecs;
-    dst_off += vecs;
-    ++seg.n;
+    const int64_t bytes = pair_rows[s][r] * row_bytes;
+    char* peer = st.peers().base[s] + st.layout().slots;
+    char* local = reinterpret_cast<char*>(st.row_buffer()) + off;
+    pull.src[pull.n] = peer, pull.dst[pull.n] = local, pull.bytes[pull.n] = bytes, ++pull.n;
+    push.src[push.n] = local, push.dst[push.n] = peer, push.bytes[push.n] = bytes, ++push.n;
+    off += bytes;
   }
+  const uint32_t copy_smem = comm::BulkConfig::kSmemBytes;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(copy_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, copy_smem));
 
-  for (int c : o.ctas) {
-    SweepPoint p;
-    p.ctas = c;
-    p.dispatch_ms = time_ms(o, sync, stream, [&] { st.dispatch(c, false, stream); });
-    p.dispatch_dedup_ms = time_ms(o, sync, stream, [&] { st.dispatch(c, true, stream); });
-    p.combine_ms = time_ms(o, sync, stream, [&] { st.combine(expert_out.get(), c, stream); });
-    p.p2p_ms = time_ms(o, sync, stream, [&] {
-      pull_kernel<<<c, comm::CommCtaConfig::kThreads, 0, stream>>>(seg);
-      MOK_CUDA_CHECK(cudaGetLastError());
-    });
-    ws->check();
-    res.sweep.push_back(p);
-  }
-  res.schedule_ms = time_ms(o, sync, stream, [&] { schedule(*ws, topk.get(), stream); });
-  ws->check();
-  res.epilogue_ms = time_ms(o, sync, stream, [&] { st.epilogue(topk_w.get(), nullptr, y.get(), stream); });
-
-  // NCCL all-to-all of the same bytes per (source, destination) pair, self included like dispatch.
-  int64_t send_total = 0, recv_total = 0;
-  for (int p = 0; p < ep; ++p) {
-    send_total += pair_rows[r][p] * row_bytes;
-    recv_total += pair_rows[p][r] * row_bytes;
-  }
-  comm::DeviceBuffer<char> sendbuf(send_total), recvbuf(recv_total);
-  res.nccl_ms = time_ms(o, sync, stream, [&] {
-    MOK_NCCL_CHECK(ncclGroupStart());
-    int64_t so = 0, ro = 0;
-    for (int p = 0; p < ep; ++p) {
-      const int64_t sb_ = pair_rows[r][p] * row_bytes, rb = pair_rows[p][r] * row_bytes;
-      MOK_NCCL_CHECK(ncclSend(sendbuf.get() + so, sb_, ncclChar, p, lr.comm, stream));
-      MOK_NCCL_CHECK(ncclRecv(recvbuf.get() + ro, rb, ncclChar, p, lr.comm, stream));
-      so += sb_;
-      ro += rb;
+  auto stop_if_failed = [&](const char* what) {
+    std::optional<Error> err = st.take_error(stream);
+    if (err) {
+      std::fprintf(stderr, "rank %d: %s failed: %s\n", r, what, err->what());
+      if (!sh.failed.exchange(true)) sh.failure = std::string(what) + ": " + err->what();
     }
-    MOK_NCCL_CHECK(ncclGroupEnd());
-  });
-  ws->check();
+    sh.sync.arrive_and_wait();
+    return sh.failed.load();
+  };
+
+  // Baselines first: a variant that fails later cannot cost them.
+  if (!sh.failed) {
+    // NCCL all-to-all of the same bytes per (source, destination) pair, self included like dispatch.
+    int64_t send_total = 0, recv_total = 0;
+    for (int p = 0; p < ep; ++p) {
+      send_total += pair_rows[r][p] * row_bytes;
+      recv_total += pair_rows[p][r] * row_bytes;
+    }
+    comm::DeviceBuffer<char> sendbuf(send_total), recvbuf(recv_total);
+    sh.nccl_ms[r] = time_ms(o, sh.sync, stream, [&] {
+      MOK_NCCL_CHECK(ncclGroupStart());
+      int64_t so = 0, ro = 0;
+      for (int p = 0; p < ep; ++p) {
+        const int64_t sbytes = pair_rows[r][p] * row_bytes, rbytes = pair_rows[p][r] * row_bytes;
+        MOK_NCCL_CHECK(ncclSend(sendbuf.get() + so, sbytes, ncclChar, p, lr.comm, stream));
+        MOK_NCCL_CHECK(ncclRecv(recvbuf.get() + ro, rbytes, ncclChar, p, lr.comm, stream));
+        so += sbytes;
+        ro += rbytes;
+      }
+      MOK_NCCL_CHECK(ncclGroupEnd());
+    });
+    stop_if_failed("nccl");
+  }
+  if (!sh.failed) {
+    sh.schedule_ms[r] = time_ms(o, sh.sync, stream, [&] { schedule(*ws, topk.get(), stream); });
+    sh.epilogue_ms[r] = time_ms(o, sh.sync, stream, [&] { st.epilogue(topk_w.get(), nullptr, y.get(), stream); });
+    stop_if_failed("schedule/epilogue");
+  }
+  for (Point& p : sh.points) {
+    if (sh.failed) break;
+    const Variant& v = p.v;
+    const int c = p.ctas;
+    if (v.kind == Kind::kCopy) {
+      const CopySegments& seg = v.push ? push : pull;
+      p.ms[r] = time_ms(o, sh.sync, stream, [&] {
+        if (v.bulk) {
+          copy_bulk_kernel<<<c, comm::CommCtaConfig::kThreads, copy_smem, stream>>>(seg, static_cast<uint32_t>(row_bytes),
+                                                                                   copy_smem, st.wait_context());
+        } else {
+          copy_warp_kernel<<<c, comm::CommCtaConfig::kThreads, 0, stream>>>(seg);
+        }
+        MOK_CUDA_CHECK(cudaGetLastError());
+      });
+    } else if (v.kind == Kind::kDispatch) {
+      p.ms[r] = time_ms(o, sh.sync, stream, [&] { dispatch(st, c, v, stream); });
+    } else {
+      p.ms[r] = time_ms(o, sh.sync, stream, [&] { combine(st, expert_out.get(), c, v, stream); });
+    }
+    const std::string what = std::string(kind_name(v.kind)) + " " + v.name + " @" + std::to_string(c);
+    if (stop_if_failed(what.c_str())) break;
+    if (r == 0) {
+      const RowStats& s0 = sh.stats[0];
+      const double nv = static_cast<double>(v.dedup ? s0.remote_first : (ep > 1 ? s0.remote : s0.self)) * row_bytes;
+      std::printf("  %-8s %-11s ctas %2d  %7.3f ms  %6.1f GB/s (NVLink bytes of rank 0)\n", kind_name(v.kind),
+                  v.name.c_str(), c, p.worst(), nv / p.worst() / 1e6);
+      std::fflush(stdout);
+    }
+  }
+  sh.sync.arrive_and_wait();
+  if (r == 0) write_json(sh, command);  // before teardown: a teardown problem cannot lose the record
+  if (sh.failed) return;                // a dead peer: leave the window alone (teardown is collective)
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
-  sync.arrive_and_wait();  // nobody frees its window while a peer still reads it
+  sh.sync.arrive_and_wait();  // nobody frees its window while a peer still reads it
   ws.reset();
   MOK_CUDA_CHECK(cudaStreamDestroy(stream));
-  return res;
 }
 
-std::string fmt(double v) {
-  char b[64];
-  std::snprintf(b, sizeof(b), "%.4g", v);
+// ---- report ----------------------------------------------------------------------------------------
+struct Best {
+  const Point* p = nullptr;
+  double ms = INFINITY;
+};
+
+Best best_of(const Shared& sh, Kind kind, int max_ctas, bool dedup, const std::string& only = "") {
+  Best b;
+  for (const Point& p : sh.points) {
+    if (p.v.kind != kind || p.ctas > max_ctas || p.v.dedup != dedup) continue;
+    if (!only.empty() && p.v.name != only) continue;
+    const double ms = p.worst();
+    if (ms > 0 && ms < b.ms) b = Best{&p, ms};
+  }
   return b;
+}
+
+void write_json(Shared& sh, const std::string& command) {
+  const LayerShape& shape = sh.shape;
+  const int ep = shape.ep;
+  const double rb = shape.hidden * 2.0;
+  RowStats w;  // the largest per-rank figures (all ranks alike for uniform routing)
+  for (const RowStats& s : sh.stats) {
+    w.real = std::max(w.real, s.real), w.remote = std::max(w.remote, s.remote);
+    w.remote_first = std::max(w.remote_first, s.remote_first), w.self = std::max(w.self, s.self);
+    w.self_first = std::max(w.self_first, s.self_first), w.padding = std::max(w.padding, s.padding);
+  }
+  const double moved = (ep > 1 ? w.remote : w.self) * rb;          // plain dispatch / combine / copies / NCCL remote
+  const double minimum = (ep > 1 ? w.remote_first : w.self_first) * rb;  // dedup dispatch
+  auto nvlink_bytes = [&](const Point& p) { return p.v.dedup ? minimum : moved; };
+  auto worst = [&](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+  const double nccl_ms = sh.failed ? NAN : worst(sh.nccl_ms);
+  const Best d = best_of(sh, Kind::kDispatch, 24, false), dd = best_of(sh, Kind::kDispatch, 24, true);
+  const Best c = best_of(sh, Kind::kCombine, 24, false);
+  const Best d0 = best_of(sh, Kind::kDispatch, 24, false, "warp"), c0 = best_of(sh, Kind::kCombine, 24, false, "warp");
+  const Best pw = best_of(sh, Kind::kCopy, 1 << 30, false, "pull_warp");
+  const Best cp = best_of(sh, Kind::kCopy, 1 << 30, false);
+  auto gbps = [&](double bytes, double ms) { return bytes / ms / 1e6; };
+
+  std::printf("\nbench_comm: EP=%d, T=%lld/rank, H=%lld, E=%lld, K=%d%s\n", ep, static_cast<long long>(shape.tokens),
+              static_cast<long long>(shape.hidden), static_cast<long long>(shape.experts), shape.topk,
+              ep == 1 ? " [EP=1: self-copy through HBM, no NVLink; EP=2 NOT measured]" : "");
+  std::printf("per rank, one way: remote rows %.1f MB (NVLink, plain), distinct remote (token,rank) %.1f MB "
+              "(NVLink, dedup), own-rank rows %.1f MB (local HBM), padding %.1f MB (zeros)\n",
+              moved / 1e6, minimum / 1e6, w.self * rb / 1e6, w.padding * rb / 1e6);
+  if (sh.failed) std::printf("SWEEP STOPPED: %s\n", sh.failure.c_str());
+  // pull_ms/ms and nccl_ms/ms: time ratios (> 1 = faster than the best plain pull copy of the
+  // remote bytes / than NCCL); for plain variants pull_ms/ms is also the NVLink GB/s ratio.
+  std::printf("%-9s %-11s %5s %9s %10s %10s %10s\n", "kind", "variant", "ctas", "ms", "NVLinkGB/s", "pull_ms/ms",
+              "nccl_ms/ms");
+  std::ostringstream sweep;
+  bool first = true;
+  for (const Point& p : sh.points) {
+    const double ms = p.worst();
+    if (!(ms > 0)) continue;
+    const double g = gbps(nvlink_bytes(p), ms);
+    std::printf("%-9s %-11s %5d %9.3f %10.1f %10.3f %10.3f\n", kind_name(p.v.kind), p.v.name.c_str(), p.ctas, ms, g,
+                pw.p ? pw.ms / ms : NAN, nccl_ms / ms);
+    sweep << (first ? "" : ",\n    ") << "{\"kind\": \"" << kind_name(p.v.kind) << "\", \"variant\": \"" << p.v.name
+          << "\", \"comm_ctas\": " << p.ctas << ", \"ms\": " << fmt(ms) << ", \"nvlink_bytes\": "
+          << static_cast<int64_t>(nvlink_bytes(p)) << ", \"nvlink_GBps\": " << fmt(g) << "}";
+    first = false;
+  }
+  std::printf("NCCL all-to-all (same bytes per pair, own share included): %.3f ms = %.1f GB/s of remote bytes\n", nccl_ms,
+              gbps(moved, nccl_ms));
+  if (d.p) std::printf("best dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", d.p->v.name.c_str(), d.p->ctas, d.ms, gbps(moved, d.ms));
+  if (dd.p) std::printf("best dedup dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s NVLink)\n", dd.p->v.name.c_str(), dd.p->ctas, dd.ms, gbps(minimum, dd.ms));
+  if (c.p) std::printf("best combine <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", c.p->v.name.c_str(), c.p->ctas, c.ms, gbps(moved, c.ms));
+
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  int nccl_version = 0;
+  ncclGetVersion(&nccl_version);
+  auto name_of = [](const Best& b) { return b.p ? "\"" + b.p->v.name + "\"" : std::string("null"); };
+  auto ctas_of = [](const Best& b) { return b.p ? std::to_string(b.p->ctas) : std::string("null"); };
+  std::ostringstream j;
+  j << "[{\n  \"bench\": \"comm\",\n  \"shape\": \"dsv3\",\n  \"ep\": " << ep << ",\n  \"device\": \"" << prop.name
+    << "\",\n  \"nccl\": \"" << comm::nccl_version_string(nccl_version) << "\",\n  \"tokens_per_rank\": " << shape.tokens
+    << ", \"hidden\": " << shape.hidden << ", \"experts\": " << shape.experts << ", \"topk\": " << shape.topk
+    << ",\n  \"routing\": \"uniform\",\n  \"ep2_measured\": " << (ep >= 2 ? "true" : "false")
+    << ",\n  \"complete\": " << (sh.failed ? "false" : "true") << ",\n  \"bytes_basis\": \""
+    << (ep > 1 ? "per rank, one way, bytes that cross NVLink into (dispatch) or out of (combine) the rank; GB/s = "
+                 "those bytes / slowest rank's median time. dispatch_GBps/combine_GBps: plain variants, "
+                 "dispatch_bytes_moved. Dedup variants move dispatch_bytes_min over NVLink "
+                 "(dispatch_dedup_nvlink_GBps). Own-rank rows (self_bytes) and padding (padding_bytes) are copied "
+                 "in local HBM by dispatch/combine and NCCL, not by the plain copies"
+               : "EP=1 self-copy through HBM (no NVLink); EP=2 figures not measured")
+    << "\",\n  \"metrics\": {"
+    << "\"dispatch_GBps\": " << fmt(gbps(moved, d.ms)) << ", \"combine_GBps\": " << fmt(gbps(moved, c.ms))
+    << ", \"dispatch_ms\": " << fmt(d.ms) << ", \"combine_ms\": " << fmt(c.ms)
+    << ", \"nccl_a2a_GBps\": " << fmt(gbps(moved, nccl_ms)) << ", \"p2p_copy_GBps\": " << fmt(gbps(moved, pw.ms))
+    << ", \"comm_ctas\": " << ctas_of(d) << ", \"dispatch_bytes_moved\": " << static_cast<int64_t>(moved)
+    << ", \"dispatch_bytes_min\": " << static_cast<int64_t>(minimum) << ",\n    \"dispatch_engine\": " << name_of(d)
+    << ", \"combine_engine\": " << name_of(c) << ", \"combine_ctas\": " << ctas_of(c)
+    << ", \"nccl_a2a_ms\": " << fmt(nccl_ms) << ", \"p2p_copy_ms\": " << fmt(pw.ms) << ", \"p2p_copy_ctas\": " << ctas_of(pw)
+    << ", \"copy_best_GBps\": " << fmt(gbps(moved, cp.ms)) << ", \"copy_best\": " << name_of(cp)
+    << ", \"copy_best_ctas\": " << ctas_of(cp) << ",\n    \"dispatch_dedup_ms\": " << fmt(dd.ms)
+    << ", \"dispatch_dedup_engine\": " << name_of(dd) << ", \"dispatch_dedup_ctas\": " << ctas_of(dd)
+    << ", \"dispatch_dedup_nvlink_GBps\": " << fmt(gbps(minimum, dd.ms))
+    << ",\n    \"dispatch_warp_ms\": " << fmt(d0.ms) << ", \"dispatch_warp_ctas\": " << ctas_of(d0)
+    << ", \"combine_warp_ms\": " << fmt(c0.ms) << ", \"combine_warp_ctas\": " << ctas_of(c0)
+    << ", \"self_bytes\": " << static_cast<int64_t>(w.self * rb) << ", \"padding_bytes\": " << static_cast<int64_t>(w.padding * rb)
+    << ", \"epilogue_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_ms))
+    << ", \"schedule_ms\": " << fmt(sh.failed ? NAN : worst(sh.schedule_ms)) << "},\n  \"sweep\": [\n    " << sweep.str()
+    << "]\n}]";
+  std::ofstream f(sh.o.out);
+  f << bench::record_envelope(command, j.str());
+  std::printf("wrote %s%s\n", sh.o.out.c_str(), f ? "" : " (FAILED)");
 }
 
 }  // namespace
@@ -266,99 +581,29 @@ int main(int argc, char** argv) {
   const int ep = o.ep > 0 ? std::min(o.ep, gpus) : gpus;
   const LayerShape shape = dsv3_shape(ep, o.tokens);
   Config cfg;  // capacity 2.0 (min(capacity, ep) x T*K rows per rank)
+  cfg.wait_timeout_s = 2.0;  // a broken variant stops the sweep in seconds
   const auto routing = uniform_routing(shape, 2026);
   std::vector<std::vector<int64_t>> pair_rows(ep, std::vector<int64_t>(ep, 0));  // [src][dst]
   for (int s = 0; s < ep; ++s) {
     for (int32_t e : routing[s]) ++pair_rows[s][shape.owner_rank(e)];
   }
-  std::vector<RankResult> res(ep);
-  std::barrier<> sync(ep);
+  std::vector<Point> points;
+  for (const Variant& v : plan(o)) {
+    for (int c : o.ctas) points.push_back(Point{v, c});
+  }
+  Shared sh(o, shape, std::move(points));
   std::vector<int> devices(ep);
   for (int i = 0; i < ep; ++i) devices[i] = i;
+  std::printf("bench_comm: EP=%d (%d GPU(s) visible), %zu points\n", ep, gpus, sh.points.size());
   bootstrap::run_local_ranks(devices, [&](bootstrap::LocalRank& lr) {
-    res[lr.rank] = run_rank(o, shape, cfg, routing, pair_rows, lr, sync);
-  });
-
-  // Per-rank one-way bytes and the slowest rank's time.
-  const double row_bytes = shape.hidden * 2.0;
-  double moved = 0, minimum = 0;
-  for (const auto& r : res) {
-    moved = std::max(moved, (ep > 1 ? r.remote_rows : r.self_rows) * row_bytes);
-    // EP=1: the dedup dispatch reads each token once from x and copies its other rows locally.
-    minimum = std::max(minimum, (ep > 1 ? r.remote_first_rows : r.first_rows) * row_bytes);
-  }
-  auto worst = [&](auto get) {
-    double m = 0;
-    for (const auto& r : res) m = std::max(m, get(r));
-    return m;
-  };
-  const double nccl_ms = worst([](const RankResult& r) { return r.nccl_ms; });
-  const double epi_ms = worst([](const RankResult& r) { return r.epilogue_ms; });
-  const double sched_ms = worst([](const RankResult& r) { return r.schedule_ms; });
-  std::printf("bench_comm: EP=%d (%d GPU(s) visible), T=%lld/rank, H=%lld, E=%lld, K=%d\n", ep, gpus,
-              static_cast<long long>(shape.tokens), static_cast<long long>(shape.hidden),
-              static_cast<long long>(shape.experts), shape.topk);
-  std::printf("bytes per rank one way: moved %.1f MB (one row per (token,k)), minimum %.1f MB (distinct token,rank)%s\n",
-              moved / 1e6, minimum / 1e6, ep == 1 ? " [EP=1: self-copy through HBM, no NVLink]" : "");
-  std::printf("%5s %12s %9s %12s %9s %12s %9s %12s %9s\n", "ctas", "dispatch_ms", "GB/s", "dedup_ms", "GB/s(min)",
-              "combine_ms", "GB/s", "p2p_ms", "GB/s");
-  SweepPoint best_d{}, best_c{}, best_p{};
-  best_d.dispatch_ms = best_c.combine_ms = best_p.p2p_ms = 1e30;
-  double best_dedup = 1e30;
-  int best_dedup_ctas = 0;
-  std::ostringstream sweep;
-  for (size_t i = 0; i < o.ctas.size(); ++i) {
-    SweepPoint w;
-    w.ctas = o.ctas[i];
-    w.dispatch_ms = worst([&](const RankResult& r) { return r.sweep[i].dispatch_ms; });
-    w.dispatch_dedup_ms = worst([&](const RankResult& r) { return r.sweep[i].dispatch_dedup_ms; });
-    w.combine_ms = worst([&](const RankResult& r) { return r.sweep[i].combine_ms; });
-    w.p2p_ms = worst([&](const RankResult& r) { return r.sweep[i].p2p_ms; });
-    std::printf("%5d %12.3f %9.1f %12.3f %9.1f %12.3f %9.1f %12.3f %9.1f\n", w.ctas, w.dispatch_ms,
-                moved / w.dispatch_ms / 1e6, w.dispatch_dedup_ms, minimum / w.dispatch_dedup_ms / 1e6, w.combine_ms,
-                moved / w.combine_ms / 1e6, w.p2p_ms, moved / w.p2p_ms / 1e6);
-    sweep << (i ? ", " : "") << "{\"comm_ctas\": " << w.ctas << ", \"dispatch_ms\": " << fmt(w.dispatch_ms)
-          << ", \"dispatch_dedup_ms\": " << fmt(w.dispatch_dedup_ms) << ", \"combine_ms\": " << fmt(w.combine_ms)
-          << ", \"p2p_copy_ms\": " << fmt(w.p2p_ms) << "}";
-    if (w.ctas <= 24) {
-      if (w.dispatch_ms < best_d.dispatch_ms) best_d = w;
-      if (w.combine_ms < best_c.combine_ms) best_c = w;
-      if (w.dispatch_dedup_ms < best_dedup) best_dedup = w.dispatch_dedup_ms, best_dedup_ctas = w.ctas;
+    try {
+      run_rank(sh, cfg, routing, pair_rows, lr, command);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d: %s\n", lr.rank, e.what());
+      if (!sh.failed.exchange(true)) sh.failure = e.what();
+      sh.sync.arrive_and_drop();  // the other ranks must not wait for this one
+      throw;
     }
-    if (w.p2p_ms < best_p.p2p_ms) best_p = w;
-  }
-  std::printf("NCCL all-to-all (ncclSend/ncclRecv, same bytes): %.3f ms = %.1f GB/s; epilogue %.3f ms; schedule %.3f ms\n",
-              nccl_ms, moved / nccl_ms / 1e6, epi_ms, sched_ms);
-  if (ep < 2) std::printf("NOTE: EP=2 figures NOT measured (only %d GPU); these are EP=1 self-copy numbers\n", gpus);
-
-  cudaDeviceProp prop{};
-  MOK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  int nccl_version = 0;
-  ncclGetVersion(&nccl_version);
-  std::ostringstream j;
-  j << "[{\n  \"bench\": \"comm\",\n  \"shape\": \"dsv3\",\n  \"ep\": " << ep << ",\n  \"device\": \"" << prop.name
-    << "\",\n  \"gpus_visible\": " << gpus << ",\n  \"nccl\": \"" << comm::nccl_version_string(nccl_version)
-    << "\",\n  \"tokens_per_rank\": " << shape.tokens << ", \"hidden\": " << shape.hidden
-    << ", \"experts\": " << shape.experts << ", \"topk\": " << shape.topk << ",\n  \"routing\": \"uniform\",\n"
-    << "  \"bytes_basis\": \""
-    << (ep > 1 ? "per rank, one way, NVLink bytes into the rank"
-               : "EP=1 self-copy through HBM (no NVLink); EP=2 figures not measured")
-    << "\",\n  \"ep2_measured\": " << (ep >= 2 ? "true" : "false") << ",\n  \"metrics\": {"
-    << "\"dispatch_GBps\": " << fmt(moved / best_d.dispatch_ms / 1e6)
-    << ", \"combine_GBps\": " << fmt(moved / best_c.combine_ms / 1e6)
-    << ", \"dispatch_ms\": " << fmt(best_d.dispatch_ms) << ", \"combine_ms\": " << fmt(best_c.combine_ms)
-    << ", \"nccl_a2a_GBps\": " << fmt(moved / nccl_ms / 1e6) << ", \"p2p_copy_GBps\": " << fmt(moved / best_p.p2p_ms / 1e6)
-    << ", \"comm_ctas\": " << best_d.ctas << ", \"combine_ctas\": " << best_c.ctas
-    << ", \"dispatch_bytes_moved\": " << static_cast<int64_t>(moved)
-    << ", \"dispatch_bytes_min\": " << static_cast<int64_t>(minimum)
-    << ", \"dispatch_dedup_ms\": " << fmt(best_dedup) << ", \"dispatch_dedup_ctas\": " << best_dedup_ctas
-    << ", \"dispatch_dedup_GBps_min_bytes\": " << fmt(minimum / best_dedup / 1e6)
-    << ", \"nccl_a2a_ms\": " << fmt(nccl_ms) << ", \"p2p_copy_ms\": " << fmt(best_p.p2p_ms)
-    << ", \"p2p_copy_ctas\": " << best_p.ctas << ", \"epilogue_ms\": " << fmt(epi_ms)
-    << ", \"schedule_ms\": " << fmt(sched_ms) << "},\n  \"sweep\": ["
-    << sweep.str() << "]\n}]";
-  std::ofstream f(o.out);
-  f << bench::record_envelope(command, j.str());
-  std::printf("wrote %s\n", o.out.c_str());
-  return f ? 0 : 1;
+  });
+  return sh.failed ? 1 : 0;
 }

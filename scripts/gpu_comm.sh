@@ -1,55 +1,29 @@
 #!/bin/bash
 # Communication layer (issue 6): build here, run on the GPU machine.
 #
-#   scripts/gpu_comm.sh build   # CPU machine: nvcc straight (no CMake needed), binaries -> .devbin/comm/
+#   scripts/gpu_comm.sh build   # CPU machine: CMake/Ninja in build-commperf, binaries + libmok.so -> .devbin/commperf/
 #   scripts/gpu_comm.sh run     # GPU machine, repo root: tests, compute-sanitizer, torchrun mode, bench
+#   scripts/gpu_comm.sh perf    # GPU machine: test_comm, test_comm_errors, bench_comm sweep (one short call)
 #   STEPS_ONLY="test_comm bench_comm" scripts/gpu_comm.sh run   # a subset of the steps
 #
-# `run` writes logs to $OUT (default ./comm-out) and bench JSON to bench/results/ and $OUT.
+# `run`/`perf` write logs to $OUT (default ./comm-out) and the bench JSON to $OUT. Set MOK_COMMIT
+# (the device copy of the tree has no .git) so the record names the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-}
-BIN=.devbin/comm
+BIN=.devbin/commperf
+BUILD=build-commperf
 
 build() {
   set -e
-  local O=build-comm/obj
-  mkdir -p $O $BIN
-  local NV="/usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=--warn-on-spills -Xcompiler=-Wall -Iinclude -Isrc -Itests -Ibench"
-  local objs=()
-  compile() {  # source object
-    if [ ! -f "$2" ] || [ "$1" -nt "$2" ] || [ -n "$(find src/comm include/mok src/host/workspace_impl.hpp -newer "$2" 2>/dev/null | head -1)" ]; then
-      echo "nvcc $1"; $NV -c "$1" -o "$2"
-    fi
-  }
-  for f in src/common/config.cpp src/common/error.cpp src/common/shape.cpp src/common/routing_checks.cpp \
-           src/reference/schedule.cpp src/host/workspace.cpp src/comm/error_record.cpp; do
-    o=$O/$(basename $(dirname $f))_$(basename ${f%.*}).o; compile $f $o & objs+=($o)
-    [ $(jobs -r | wc -l) -ge 2 ] && wait -n
-  done
-  wait
-  for f in src/comm/*.cu; do
-    o=$O/$(basename $(dirname $f))_$(basename ${f%.*}).o; compile $f $o & objs+=($o)
-    [ $(jobs -r | wc -l) -ge 2 ] && wait -n
-  done
-  wait
-  rm -f $O/libmok_comm_all.a && ar rcs $O/libmok_comm_all.a "${objs[@]}"
-  local LIBS="$O/libmok_comm_all.a -L/usr/local/cuda/lib -lnccl -lpthread"
-  for t in test_comm test_comm_errors test_comm_torchrun test_comm_bootstrap; do
-    if [ ! -f $BIN/$t ] || [ -n "$(find tests/gpu/$t.cu tests/gpu/test_comm_harness.cuh $O/libmok_comm_all.a -newer $BIN/$t | head -1)" ]; then
-      echo "nvcc $t"; $NV tests/gpu/$t.cu $LIBS -lgtest -lgtest_main -o $BIN/$t &
-    fi
-    [ $(jobs -r | wc -l) -ge 2 ] && wait -n
-  done
-  if [ -f bench/bench_comm.cu ]; then
-    if [ ! -f $BIN/bench_comm ] || [ -n "$(find bench/bench_comm.cu $O/libmok_comm_all.a -newer $BIN/bench_comm | head -1)" ]; then
-      echo "nvcc bench_comm"; $NV bench/bench_comm.cu $LIBS -o $BIN/bench_comm &
-    fi
-  fi
-  wait
+  [ -f $BUILD/build.ninja ] || cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release
+  local targets="test_comm test_comm_errors test_comm_torchrun test_comm_bootstrap bench_comm"
+  ninja -C $BUILD -j2 $targets
+  mkdir -p $BIN
+  for t in $targets; do cp $BUILD/bin/$t $BIN/; done
+  cp $BUILD/src/host/libmok.so $BIN/  # the binaries' RUNPATH names this machine's build folder
   ls -la $BIN
 }
-
 
 # One step: name, timeout (s), command...; log to $LOGS/<name>.log, result line to the summary.
 # Few files come back from the GPU machine, so the logs are re-bundled into $OUT/logs.tgz after
@@ -66,10 +40,30 @@ step() {
   tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 
-run() {
+gpu_env() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  local SYSLIB=${LD_LIBRARY_PATH:-}
-  export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}
+  SYSLIB=${LD_LIBRARY_PATH:-}
+  export LD_LIBRARY_PATH=$PWD/$BIN:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}
+}
+
+# The short device call of the performance work: correctness of every engine, then the sweep.
+perf() {
+  gpu_env
+  OUT=${OUT:-comm-out}; mkdir -p "$OUT"
+  LOGS=$(mktemp -d)
+  local NGPU=$(nvidia-smi -L | wc -l)
+  { nvidia-smi -L; nvidia-smi topo -m; } > "$LOGS/env.log" 2>&1
+  step test_comm         55 $BIN/test_comm
+  step test_comm_errors  25 $BIN/test_comm_errors
+  step bench_comm        50 $BIN/bench_comm --ctas 8,12,16,20,24,32 --out "$OUT/comm_dsv3_ep$NGPU.json"
+  echo "==== summary (logs in $OUT/logs.tgz) ===="
+  cat "$OUT/summary.log"
+  grep -E "^\[  FAILED|Failure|mismatch|not run" "$LOGS/test_comm.log" | head -20
+  sed -n '/^bench_comm: EP=.*T=/,$p' "$LOGS/bench_comm.log" | head -80
+}
+
+run() {
+  gpu_env
   OUT=${OUT:-comm-out}; mkdir -p "$OUT"
   LOGS=$(mktemp -d)
   local NGPU=$(nvidia-smi -L | wc -l)
@@ -86,7 +80,7 @@ run() {
   step racecheck_pipeline   30 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*:Ep1/*TopK1*'
   step memcheck_errors      45 $SAN --tool memcheck $BIN/test_comm_errors --gtest_filter='CommErrors.BadRouting*:CommErrors.CapacityOverflowIs*'
   step torchrun_nccl_comm_id 10 env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29563 NCCL_COMM_ID=127.0.0.1:29565 $BIN/test_comm_torchrun
-  step nccl_version_lock    10 env LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:$SYSLIB $BIN/test_comm_errors --gtest_filter='CommVersion.*'
+  step nccl_version_lock    10 env LD_LIBRARY_PATH=$PWD/$BIN:/usr/lib/x86_64-linux-gnu:$SYSLIB $BIN/test_comm_errors --gtest_filter='CommVersion.*'
   step test_comm_bootstrap  10 $BIN/test_comm_bootstrap
   echo "==== summary (logs in $OUT/logs.tgz) ===="
   cat "$OUT/summary.log"
@@ -96,5 +90,6 @@ run() {
 case "$MODE" in
   build) build ;;
   run) run ;;
-  *) echo "usage: $0 build|run"; exit 2 ;;
+  perf) perf ;;
+  *) echo "usage: $0 build|run|perf"; exit 2 ;;
 esac

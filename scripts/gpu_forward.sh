@@ -54,7 +54,7 @@ run() {
     step bench 200 $BIN/bench_forward --comm 4,6,8,12,16,24,32 --out "$OUT/forward.json"
   fi
   step test_staged 90 env MOK_FORWARD_PATH=staged $T \
-    --gtest_filter='Ep/ForwardVsReference.*:ForwardEpInvariance.*:ForwardErrors.*:Ep/ForwardDeterminism.*'
+    --gtest_filter='Ep/ForwardVsReference.*:Ep/ForwardEpInvariance.*:ForwardErrors.*:Ep/ForwardDeterminism.*'
   step racecheck 120 $SAN --tool racecheck $T --gtest_filter='Ep/FusedVsStaged.*topk8_ep1'
   step mok_bench 60 $BIN/mok bench --shape dsv3 --iters 5
   echo "==== summary (logs in $OUT/logs.tgz) ===="

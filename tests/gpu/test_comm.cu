@@ -2,6 +2,11 @@
 // GPU schedule bitwise equal to mok::ref::make_schedule, dispatch / combine / epilogue bitwise
 // equal to the bytes the reference schedule predicts, for every comm-CTA count and dispatch
 // mode (knob invariance), repeated runs identical. EP=2 cases skip with fewer than 2 GPUs.
+// CommEngines: every copy engine (CopyEngine: hybrid, bulk, bulk dedup fan-out) and CTA count
+// gives the same bytes, and the ready counters end at exactly the tiles of each minibatch.
+#include <atomic>
+
+#include "comm/roles.hpp"
 #include "test_comm_harness.cuh"
 
 namespace mok::test {
@@ -65,6 +70,218 @@ std::string case_name(const ::testing::TestParamInfo<CommCase>& info) { return i
 
 INSTANTIATE_TEST_SUITE_P(Ep1, CommPipeline, ::testing::ValuesIn(cases(1)), case_name);
 INSTANTIATE_TEST_SUITE_P(Ep2, CommPipeline, ::testing::ValuesIn(cases(2)), case_name);
+
+// ---- copy engines --------------------------------------------------------------------------------
+struct EngineVariant {
+  comm::CopyEngine engine;
+  bool dedup;
+  int ctas;
+};
+const std::vector<EngineVariant>& engine_dispatch_variants() {
+  using E = comm::CopyEngine;
+  static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
+                                            {E::kBulk, false, 1},    {E::kBulk, true, 16},    {E::kBulk, true, 5},
+                                            {E::kHybrid, true, 7}};
+  return v;
+}
+const std::vector<EngineVariant>& engine_combine_variants() {
+  using E = comm::CopyEngine;
+  static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
+                                            {E::kBulk, false, 1}};
+  return v;
+}
+std::string engine_name(const EngineVariant& v) {
+  return std::string(v.engine == comm::CopyEngine::kBulk ? "bulk" : v.engine == comm::CopyEngine::kHybrid ? "hybrid" : "warp") +
+         (v.dedup ? "+dedup" : "") + " ctas " + std::to_string(v.ctas);
+}
+
+// An engine that timed out once is not launched again (every launch would cost a full timeout);
+// the ranks decide together after a host barrier.
+std::atomic<bool> g_engine_broken[3];
+
+struct EngineOutputs {
+  comm::ScheduleHeader header{};
+  std::vector<comm::RowEntry> rows;
+  std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant (empty: not run)
+  std::vector<std::vector<uint32_t>> ready;       // per dispatch variant: ready counters
+  std::vector<std::vector<uint16_t>> slots;       // per combine variant
+  std::vector<std::string> errors;                // device errors, "variant: message"
+};
+
+EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t comm, int device,
+                          const std::function<void()>& sync_ranks) {
+  const LayerShape& s = c.shape;
+  auto ws = Workspace::create(s, c.config, comm, device);
+  comm::CommState& st = *ws->impl().state;
+  const comm::ScheduleBuffers& sb = st.schedule_buffers();
+  cudaStream_t stream = nullptr;
+  MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+  EngineOutputs out;
+  auto d_topk = upload(in.topk);
+  auto d_x = upload(in.x);
+  auto d_out = upload(in.expert_out);
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  schedule(*ws, d_topk.get(), stream);
+  ws->check();
+  MOK_CUDA_CHECK(cudaMemcpy(&out.header, sb.header.get(), sizeof(out.header), cudaMemcpyDeviceToHost));
+  out.rows = download(sb.rows.get(), sb.rows.size());
+  const int64_t padded = std::max<int64_t>(out.header.padded_rows, 0);
+  auto failed = [&](const EngineVariant& v) {
+    std::optional<Error> err = st.take_error(stream);
+    if (err) {
+      out.errors.push_back(engine_name(v) + ": " + err->what());
+      g_engine_broken[static_cast<int>(v.engine)] = true;
+    }
+    sync_ranks();  // every rank sees the same broken flags before the next launch
+  };
+  st.stage_x(reinterpret_cast<const __nv_bfloat16*>(d_x.get()), stream);
+  for (const EngineVariant& v : engine_dispatch_variants()) {
+    if (g_engine_broken[static_cast<int>(v.engine)]) {
+      out.dispatched.emplace_back();
+      out.ready.emplace_back();
+      continue;
+    }
+    MOK_CUDA_CHECK(cudaMemsetAsync(st.row_buffer(), 0xFF, sb.buffer_rows * s.hidden * 2, stream));
+    comm::DispatchLaunch l;
+    l.role.peers = st.peers();
+    l.role.x_offset = st.layout().x;
+    l.role.row_bytes = s.hidden * 2;
+    l.role.header = sb.header.get();
+    l.role.rows = sb.rows.get();
+    l.role.row_buffer = reinterpret_cast<char*>(st.row_buffer());
+    l.role.ready = st.ready_counters();
+    l.role.tile_done = st.tile_flags();
+    l.role.tiles_per_minibatch = sb.minibatch / kRowTile;
+    l.role.dedup = v.dedup;
+    l.role.wait = st.wait_context();
+    l.role.engine = v.engine;
+    l.role.dest_row = sb.dest_row.get();
+    l.role.tokens = s.tokens;
+    l.role.topk = s.topk;
+    l.start = comm::GroupBarrier{st.sync(comm::SyncSite::kDispatchStart), st.layout().flags, st.next_epoch()};
+    l.ctas = v.ctas;
+    l.counters = st.ready_counters();
+    l.counter_words = sb.max_minibatches + sb.buffer_rows / kRowTile;
+    comm::launch_dispatch(l, stream);
+    failed(v);
+    out.dispatched.push_back(download(reinterpret_cast<const uint16_t*>(st.row_buffer()), padded * s.hidden));
+    out.ready.push_back(download(st.ready_counters(), sb.max_minibatches));
+  }
+  const size_t slot_elems = static_cast<size_t>(s.tokens) * s.topk * s.hidden;
+  for (const EngineVariant& v : engine_combine_variants()) {
+    if (g_engine_broken[static_cast<int>(v.engine)]) {
+      out.slots.emplace_back();
+      continue;
+    }
+    MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
+    comm::CombineLaunch l;
+    l.role.peers = st.peers();
+    l.role.slots_offset = st.layout().slots;
+    l.role.row_bytes = s.hidden * 2;
+    l.role.topk = s.topk;
+    l.role.header = sb.header.get();
+    l.role.rows = sb.rows.get();
+    l.role.expert_out = reinterpret_cast<const char*>(d_out.get());
+    l.role.wait = st.wait_context();
+    l.role.engine = v.engine;
+    l.done = comm::GroupBarrier{st.sync(comm::SyncSite::kCombineDone), st.layout().flags, st.next_epoch()};
+    l.ctas = v.ctas;
+    comm::launch_combine(l, stream);
+    failed(v);
+    out.slots.push_back(download(reinterpret_cast<const uint16_t*>(st.slots()), slot_elems));
+  }
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  sync_ranks();  // nobody tears its window down while a peer may still touch it
+  ws.reset();
+  MOK_CUDA_CHECK(cudaStreamDestroy(stream));
+  return out;
+}
+
+std::vector<CommCase> engine_cases(int ep) {
+  std::vector<CommCase> v;
+  v.push_back(make_case("Uniform", ep, 256, 256, 8, 4, Pattern::kUniform, 1));
+  v.push_back(make_case("AllTokensToOneExpert", ep, 320, 128, 4, 2, Pattern::kOneExpert, 2));
+  v.push_back(make_case("EmptyExperts", ep, 200, 128, 32, 2, Pattern::kFewExperts, 3));
+  v.push_back(make_case("OneRankReceivesEverythingUpToCapacity", ep, 256, 128, 8, 4, Pattern::kOneRank, 4));
+  v.push_back(make_case("TokensNotMultipleOf128", ep, 300, 192, 8, 3, Pattern::kUniform, 5));
+  v.push_back(make_case("TopK1", ep, 384, 256, 8, 1, Pattern::kUniform, 6));
+  v.push_back(make_case("TopK8", ep, 256, 512, 16, 8, Pattern::kUniform, 7));
+  v.push_back(make_case("TopK32FanOutOfAWholeWarp", ep, 130, 128, 32, 32, Pattern::kUniform, 12));
+  v.push_back(make_case("OneToken", ep, 1, 64, 4, 2, Pattern::kUniform, 9));
+  // 18432-byte rows: two bulk chunks per row (BulkConfig::kMaxChunk is 16384).
+  v.push_back(make_case("RowsWiderThanABulkChunk", ep, 160, 9216, 4, 2, Pattern::kUniform, 13));
+  CommCase mb = make_case("Minibatch128", ep, 512, 128, 4, 2, Pattern::kUniform, 11);
+  mb.config.minibatch = 128;
+  v.push_back(mb);
+  for (CommCase& c : v) c.config.wait_timeout_s = 2.0;
+  return v;
+}
+
+class CommEngines : public ::testing::TestWithParam<CommCase> {};
+
+TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
+  const CommCase& c = GetParam();
+  const int ep = c.shape.ep;
+  MOK_REQUIRE_GPUS(ep);
+  const LayerShape& s = c.shape;
+  const int64_t H = s.hidden;
+  const auto routing = make_routing(s, c.pattern, c.seed);
+  const ref::Schedule ref = ref::make_schedule(s, c.config, routing);
+  std::vector<RankInputs> in(ep);
+  for (int r = 0; r < ep; ++r) in[r] = make_inputs(c, routing, r);
+  std::vector<EngineOutputs> out(ep);
+  RankPool& pool = RankPool::get(ep);
+  pool.run([&](bootstrap::LocalRank& lr) {
+    out[lr.rank] = run_engines(c, in[lr.rank], lr.comm, lr.device, [&] { pool.barrier(); });
+  });
+  const int64_t mb = c.config.effective_minibatch(s);
+  for (int r = 0; r < ep; ++r) {
+    const ref::RankSchedule& rs = ref.ranks[r];
+    const EngineOutputs& o = out[r];
+    const std::string who = c.name + " rank " + std::to_string(r);
+    for (const std::string& e : o.errors) ADD_FAILURE() << who << ": " << e;
+    ASSERT_EQ(o.header.padded_rows, rs.padded_rows) << who;
+    std::vector<uint16_t> want(rs.padded_rows * H, 0);
+    for (int64_t i = 0; i < rs.padded_rows; ++i) {
+      const ref::RowRef& row = rs.rows[i];
+      if (!row.is_padding()) std::memcpy(&want[i * H], &in[row.src_rank].x[row.token * H], H * 2);
+    }
+    for (size_t v = 0; v < o.dispatched.size(); ++v) {
+      const std::string name = engine_name(engine_dispatch_variants()[v]);
+      if (o.dispatched[v].empty() && rs.padded_rows > 0) {
+        ADD_FAILURE() << who << ": dispatch " << name << " not run (the engine failed earlier)";
+        continue;
+      }
+      const int64_t bad = first_mismatch(o.dispatched[v], want);
+      EXPECT_EQ(bad, -1) << who << ": dispatch " << name << " first mismatch at row " << bad / H << " col " << bad % H;
+      // Ready counters: exactly the row tiles of each minibatch (never more, never less).
+      for (size_t m = 0; m < o.ready[v].size(); ++m) {
+        const int64_t begin = std::min<int64_t>(m * mb, rs.padded_rows), end = std::min(begin + mb, rs.padded_rows);
+        EXPECT_EQ(o.ready[v][m], static_cast<uint32_t>((end - begin) / kRowTile))
+            << who << ": dispatch " << name << " ready[" << m << "]";
+      }
+    }
+    std::vector<uint16_t> slots(s.tokens * s.topk * H);
+    for (int64_t j = 0; j < s.tokens * s.topk; ++j) {
+      const int owner = s.owner_rank(in[r].topk[j]);
+      std::memcpy(&slots[j * H], &in[owner].expert_out[ref.dest_row[r][j] * H], H * 2);
+    }
+    for (size_t v = 0; v < o.slots.size(); ++v) {
+      const std::string name = engine_name(engine_combine_variants()[v]);
+      if (o.slots[v].empty()) {
+        ADD_FAILURE() << who << ": combine " << name << " not run (the engine failed earlier)";
+        continue;
+      }
+      const int64_t bad = first_mismatch(o.slots[v], slots);
+      EXPECT_EQ(bad, -1) << who << ": combine " << name << " first mismatch at slot " << bad / H << " col " << bad % H;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep1, CommEngines, ::testing::ValuesIn(engine_cases(1)), case_name);
+INSTANTIATE_TEST_SUITE_P(Ep2, CommEngines, ::testing::ValuesIn(engine_cases(2)), case_name);
 
 }  // namespace
 }  // namespace mok::test

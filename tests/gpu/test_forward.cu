@@ -210,7 +210,7 @@ TEST_P(ForwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ep, ForwardVsReference,
-                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6)),
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Range(0, 6)),
                          [](const auto& info) {
                            return std::string(cases()[std::get<1>(info.param)].name) + "_ep" +
                                   std::to_string(std::get<0>(info.param));
@@ -252,20 +252,25 @@ TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ep, ForwardDeterminism, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(Ep, ForwardDeterminism, ::testing::Values(1, 2, 4, 8));
 
-// D3: the same global batch on ep = 1 and ep = 2 gives the same y bits.
-TEST(ForwardEpInvariance, Ep1AndEp2GiveIdenticalBits) {
-  MOK_REQUIRE_GPUS(2);
-  const LayerShape s2{500, 256, 128, 128, 8, 4, 2};
-  const Problem p2 = make_problem(s2, Pattern::kUniform, 99);
-  const Problem p1 = resplit(p2, 1);
-  const Outputs y2 = run_gpu(p2, {default_config(p2.shape)}, 1);
+// D3: the same global batch (1000 tokens) on ep = 1 and on ep = 2, 4, 8 gives the same y bits.
+class ForwardEpInvariance : public ::testing::TestWithParam<int> {};
+
+TEST_P(ForwardEpInvariance, SameGlobalBatchGivesIdenticalBitsAsEp1) {
+  const int ep = GetParam();
+  MOK_REQUIRE_GPUS(ep);
+  const LayerShape s{1000 / ep, 256, 128, 128, 8, 4, ep};
+  const Problem p = make_problem(s, Pattern::kUniform, 99);
+  const Problem p1 = resplit(p, 1);
+  const Outputs y = run_gpu(p, {default_config(p.shape)}, 1);
   const Outputs y1 = run_gpu(p1, {default_config(p1.shape)}, 1);
   std::vector<uint16_t> joined;
-  for (int r = 0; r < 2; ++r) joined.insert(joined.end(), y2[0][0][r].begin(), y2[0][0][r].end());
+  for (int r = 0; r < ep; ++r) joined.insert(joined.end(), y[0][0][r].begin(), y[0][0][r].end());
   EXPECT_TRUE(same_bits(joined, y1[0][0][0]));
 }
+
+INSTANTIATE_TEST_SUITE_P(Ep, ForwardEpInvariance, ::testing::Values(2, 4, 8));
 
 // ---- fused == staged, bit for bit, in y and in the saved forward context ------------------------
 struct PassBits {
@@ -330,7 +335,7 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ep, FusedVsStaged, ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6)),
+INSTANTIATE_TEST_SUITE_P(Ep, FusedVsStaged, ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Range(0, 6)),
                          [](const auto& info) {
                            return std::string(cases()[std::get<1>(info.param)].name) + "_ep" +
                                   std::to_string(std::get<0>(info.param));
