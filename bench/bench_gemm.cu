@@ -1,10 +1,12 @@
 // Benchmark of the grouped GEMM engine (src/gemm) on the three model shapes of DESIGN §8,
-// uniform and skewed expert segments, side by side with cuBLAS in the same run:
+// uniform, skewed and random (uniform random top-k routing) expert segments, side by side with
+// cuBLAS in the same run:
 //   - cuBLAS dense bf16 GEMM (fp32 compute) of the same FLOPs (one big TN GEMM), and
 //   - a cuBLAS grouped baseline: one cublasGemmEx per expert segment.
 // TFLOP/s count useful FLOPs (real rows only). CUDA events, warm-up, median of repeats,
 // random non-zero inputs. Usage: bench_gemm [--shape dsv3|qwen3|gptoss|all] [--reps N]
 //                                           [--json FILE] [--commit STR] [--quick] [--sweep]
+//                                           [--segments uniform,skewed,random]
 // --sweep adds developer variants on dsv3 (cluster attribute, raster group sizes).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -47,12 +50,18 @@ struct ModelShape {
   int E;         // local experts
   int64_t rows;  // routed rows on the rank (T * top-k)
   int ep;
+  int topk;
 };
 const ModelShape kShapes[] = {
-    {"dsv3", 7168, 2048, 128, 8192 * 8, 2},
-    {"qwen3", 2048, 768, 64, 16384 * 8, 2},
-    {"gptoss", 2880, 2880, 64, 8192 * 4, 2},
+    {"dsv3", 7168, 2048, 128, 8192 * 8, 2, 8},
+    {"qwen3", 2048, 768, 64, 16384 * 8, 2, 8},
+    {"gptoss", 2880, 2880, 64, 8192 * 4, 2, 4},
 };
+
+enum class SegMode { kUniform, kSkewed, kRandom };
+const char* seg_name(SegMode m) {
+  return m == SegMode::kUniform ? "uniform" : m == SegMode::kSkewed ? "skewed" : "random";
+}
 
 __global__ void fill_random(bf16* p, size_t n, uint32_t seed, float scale) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -75,11 +84,30 @@ void randomize(bf16* p, size_t n, uint32_t seed, float scale) {
   CK(cudaGetLastError());
 }
 
-// Real rows per expert: uniform, or skewed (weights 1/(e+1), i.e. Zipf s=1, so the largest
-// expert gets ~E/ln(E) times the mean).
-std::vector<int> segment_rows(const ModelShape& s, bool skewed) {
+// Real rows per expert: uniform (exactly rows/E: no padding at dsv3), skewed (weights 1/(e+1),
+// i.e. Zipf s=1, so the largest expert gets ~E/ln(E) times the mean), or random: the rows this
+// rank's E experts receive when every token of all ep ranks picks top-k distinct experts of
+// E*ep uniformly at random (fixed seed; the forward bench's routing, ~12 % padding at dsv3).
+std::vector<int> segment_rows(const ModelShape& s, SegMode mode) {
   std::vector<int> r(s.E, static_cast<int>(s.rows / s.E));
-  if (skewed) {
+  if (mode == SegMode::kRandom) {
+    std::mt19937 rng(12345);
+    const int global = s.E * s.ep;
+    std::uniform_int_distribution<int> pick(0, global - 1);
+    std::fill(r.begin(), r.end(), 0);
+    const int64_t tokens = s.rows / s.topk * s.ep;
+    std::vector<int> chosen;
+    for (int64_t t = 0; t < tokens; ++t) {
+      chosen.clear();
+      while (static_cast<int>(chosen.size()) < s.topk) {
+        const int e = pick(rng);
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      }
+      for (int e : chosen)
+        if (e < s.E) ++r[e];
+    }
+  }
+  if (mode == SegMode::kSkewed) {
     double z = 0;
     for (int e = 0; e < s.E; ++e) z += 1.0 / (e + 1);
     int64_t given = 0;
@@ -127,7 +155,7 @@ struct Result {
 
 struct Bench {
   const ModelShape& s;
-  bool skewed;
+  SegMode mode;
   int reps;
   cudaStream_t stream;
   cublasHandle_t blas;
@@ -138,7 +166,7 @@ struct Bench {
   uint32_t* d_err = nullptr;
 
   void setup() {
-    rows = segment_rows(s, skewed);
+    rows = segment_rows(s, mode);
     off.assign(1, 0);
     for (int e = 0; e < s.E; ++e) off.push_back(off.back() + (rows[e] + 127) / 128 * 128);
     R = off.back();
@@ -176,9 +204,19 @@ struct Bench {
   }
 };
 
-std::vector<Result> run_shape(const ModelShape& s, bool skewed, int reps, bool sweep, cudaStream_t stream,
+// Share of the row tiles' rows that are padding (tile FLOPs spent on zeros before the skip).
+double padding_fraction(const ModelShape& s, SegMode mode) {
+  int64_t real = 0, padded = 0;
+  for (int r : segment_rows(s, mode)) {
+    real += r;
+    padded += (r + 127) / 128 * 128;
+  }
+  return padded > 0 ? 1.0 - double(real) / double(padded) : 0.0;
+}
+
+std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool sweep, cudaStream_t stream,
                               cublasHandle_t blas) {
-  Bench b{s, skewed, reps, stream, blas};
+  Bench b{s, mode, reps, stream, blas};
   b.setup();
   const int64_t H = s.H, I = s.I, E = s.E, R = b.R;
   const double rr = double(b.real);
@@ -304,7 +342,7 @@ double tflops(double f, float ms) { return ms > 0 ? f / (ms * 1e-3) / 1e12 : 0.0
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string only = "all", json, commit = "unknown";
+  std::string only = "all", json, commit = "unknown", segments = "uniform,skewed,random";
   int reps = 15;
   bool sweep = false;
   for (int i = 1; i < argc; ++i) {
@@ -315,6 +353,7 @@ int main(int argc, char** argv) {
     else if (a == "--commit" && i + 1 < argc) commit = argv[++i];
     else if (a == "--quick") reps = 5;
     else if (a == "--sweep") sweep = true;
+    else if (a == "--segments" && i + 1 < argc) segments = argv[++i];
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -333,12 +372,13 @@ int main(int argc, char** argv) {
               "cuBLAS-dense", "ratio", "cuBLAS-loop");
   for (const ModelShape& s : kShapes) {
     if (only != "all" && only != s.name) continue;
-    for (bool skewed : {false, true}) {
-      const auto res = run_shape(s, skewed, reps, sweep, stream, blas);
+    for (SegMode mode : {SegMode::kUniform, SegMode::kSkewed, SegMode::kRandom}) {
+      if (("," + segments + ",").find(std::string(",") + seg_name(mode) + ",") == std::string::npos) continue;
+      const auto res = run_shape(s, mode, reps, sweep, stream, blas);
       std::string metrics;
       for (const Result& r : res) {
         const double t = tflops(r.flops, r.ms), d = tflops(r.flops, r.dense_ms), g = tflops(r.flops, r.grouped_ms);
-        std::printf("%-7s %-8s %-22s %9.3f %9.1f %11.1f %6.1f%% %13.1f\n", s.name, skewed ? "skewed" : "uniform",
+        std::printf("%-7s %-8s %-22s %9.3f %9.1f %11.1f %6.1f%% %13.1f\n", s.name, seg_name(mode),
                     r.kind.c_str(), r.ms, t, d, 100.0 * t / d, g);
         char buf[256];
         std::snprintf(buf, sizeof(buf), "%s\"%s_tflops\": %.1f, \"%s_cublas_dense_tflops\": %.1f", metrics.empty() ? "" : ", ",
@@ -354,7 +394,8 @@ int main(int argc, char** argv) {
         }
       }
       js += std::string(first ? "" : ", ") + "{\"bench\": \"gemm\", \"shape\": \"" + s.name + "\", \"ep\": " +
-            std::to_string(s.ep) + ", \"segments\": \"" + (skewed ? "skewed" : "uniform") + "\", \"metrics\": {" +
+            std::to_string(s.ep) + ", \"segments\": \"" + seg_name(mode) + "\", \"padding_fraction\": " +
+            std::to_string(padding_fraction(s, mode)) + ", \"metrics\": {" +
             metrics + "}}";
       first = false;
       std::fflush(stdout);

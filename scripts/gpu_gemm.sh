@@ -21,7 +21,7 @@ build() {
   local NV="/usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=--warn-on-spills -Xcompiler=-Wall -Iinclude -Isrc -Itests -Ibench -I$CUT"
   compile() {  # source object [extra flags]
     if [ ! -f "$2" ] || [ -n "$(find "$1" src/gemm include/mok -newer "$2" 2>/dev/null | head -1)" ]; then
-      echo "nvcc $1"; $NV ${3:-} -c "$1" -o "$2" 2>&1 | tee "$2.log" | grep -E "error|warning|C7510|C7518|spill" || true
+      echo "nvcc $1"; $NV ${3:-} -c "$1" -o "$2" 2>&1 | tee "$2.log" | grep -E "error|warning|C7510|C7515|C7518|spill" || true
       [ -f "$2" ] || { cat "$2.log"; return 1; }
     fi
   }
@@ -34,9 +34,9 @@ build() {
   for f in src/gemm/gemm_fwd.cu src/gemm/gemm_dgrad.cu src/gemm/gemm_wgrad.cu; do
     local o=$O/$(basename ${f%.*}).o
     [ -f $o ] || { echo "missing $o"; exit 1; }
-    # ptxas must neither spill nor serialise wgmma (C7510: a call; C7518: divergent accumulator
+    # ptxas must neither spill nor serialise wgmma (C7510: a call; C7515/C7518: divergent accumulator
     # use; C7512: register shortage).
-    if grep -qE "C7510|C7512|C7518|[1-9][0-9]* bytes spill" $o.log; then
+    if grep -qE "C7510|C7512|C7515|C7518|[1-9][0-9]* bytes spill" $o.log; then
       echo "ptxas: serialised wgmma or spills in $f"; rm -f $o; exit 1
     fi
   done

@@ -1,0 +1,75 @@
+#!/bin/bash
+# Whole-project GPU validation: every GPU test binary, compute-sanitizer on small 1-GPU cases,
+# torchrun launch mode, and the `mok` program (info, GPU demo, bench).
+#
+#   scripts/gpu_validate.sh build   # CPU machine: builds in build/, copies binaries + libmok.so to .devbin/validate/
+#   scripts/gpu_validate.sh run     # GPU machine, repo root (MOK_COMMIT=<commit> recommended)
+#   BENCH=1 scripts/gpu_validate.sh run   # also the dsv3 forward and comm benchmarks on every GPU
+#                                         # (the scale-out run of issue 5 on a 4- or 8-GPU machine)
+#
+# `run` writes summary.log and logs.tgz (one log per step) under $OUT and prints the summary last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=.devbin/validate
+BUILD=${BUILD:-build}
+TESTS="test_gemm test_comm test_comm_errors test_comm_bootstrap test_comm_torchrun test_forward"
+
+build() {
+  set -e
+  [ -f $BUILD/build.ninja ] || cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release
+  ninja -C $BUILD -j2 $TESTS mok_cli
+  mkdir -p $BIN
+  for t in $TESTS; do cp $BUILD/bin/$t $BIN/; done
+  ninja -C $BUILD -j2 bench_forward bench_comm
+  cp $BUILD/bin/mok $BUILD/bin/bench_forward $BUILD/bin/bench_comm $BUILD/src/host/libmok.so $BIN/
+  du -sh $BIN
+}
+
+STEPS=()
+step() {  # name, time limit (s), command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout --kill-after=5 $limit "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  local what
+  what=$(grep -E '^\[  (PASSED|FAILED) +\]|tests? (passed|failed)|ERROR SUMMARY|RACECHECK SUMMARY|bitwise identical|final loss' "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-140)
+  STEPS+=("$(printf '%-22s rc=%-4s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$what")")
+  printf '%s\n' "${STEPS[@]}" > "$OUT/summary.log"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .  # at most 8 files come back: one archive
+}
+
+run() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export LD_LIBRARY_PATH=$PWD/$BIN:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  export MOK_COMMIT=${MOK_COMMIT:-unknown}
+  OUT=${OUT:-validate-out}; mkdir -p "$OUT"
+  LOGS=$(mktemp -d)
+  local NGPU; NGPU=$(nvidia-smi -L | wc -l)
+  local SAN="compute-sanitizer --error-exitcode 9 --report-api-errors no"
+  local TR; TR=$(command -v torchrun || echo /opt/torch/.venv/bin/torchrun)
+  step info              20 $BIN/mok info
+  step test_gemm         90 $BIN/test_gemm
+  step test_comm         60 $BIN/test_comm
+  step test_comm_errors  40 $BIN/test_comm_errors
+  step test_comm_boot    20 $BIN/test_comm_bootstrap
+  step test_forward     180 $BIN/test_forward
+  step torchrun          40 $TR --no-python --nproc_per_node=$NGPU --master_port 29571 $BIN/test_comm_torchrun
+  step memcheck_gemm     60 $SAN --tool memcheck $BIN/test_gemm --gtest_filter='*SanitizerSmall*'
+  step racecheck_gemm    60 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*'
+  step memcheck_forward  90 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1'
+  step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'
+  step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
+  if [ "${BENCH:-0}" = 1 ]; then
+    step bench_forward  240 $BIN/bench_forward --shapes dsv3 --comm 8,12,16,24 --out "$OUT/forward.json"
+    step bench_comm     120 $BIN/bench_comm --ctas 8,16,24,32 --out "$OUT/comm.json"
+  fi
+  echo "==== summary ($NGPU GPU(s); logs in \$OUT/logs.tgz) ===="
+  cat "$OUT/summary.log"
+  grep -h -E "^\[  FAILED|Failure|mismatch" "$LOGS"/test_*.log 2>/dev/null | head -20
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
