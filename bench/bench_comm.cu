@@ -11,7 +11,12 @@
 //
 //   bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 20] [--out file.json]
 //              [--dispatch warp,warp_dedup,hybrid,bulk,bulk_dedup] [--combine warp,hybrid,bulk]
-//              [--copy pull_warp,push_warp,pull_bulk,push_bulk]
+//              [--copy pull_warp,push_warp,pull_bulk,push_bulk] [--split 33,50,67]
+//
+// --split P,...: for each P also the kWarp dispatch and combine with the CTA split
+// (role.remote_ctas = P % of the comm CTAs, rounded, in [1, n-1], move the other ranks' rows,
+// the rest the own rows), variants warp_rP; the plain `warp` variants run unsplit
+// (remote_ctas = 0), `warp_auto` with kRemoteCtasAuto (the combine default). Default: none.
 //
 // Bytes, per rank and one way: `dispatch_bytes_moved` = rows from other ranks, one per (token, k)
 // (what crosses NVLink in the plain dispatch and in combine), `dispatch_bytes_min` = distinct
@@ -35,7 +40,7 @@
 #include "bench_record.hpp"
 #include "comm/comm_state.hpp"
 #include "comm/cuda_check.hpp"
-#include "comm/roles.cuh"
+#include "comm/roles_bulk.cuh"
 #include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
 #include "mok/api.hpp"
@@ -61,6 +66,7 @@ struct Options {
   std::vector<std::string> dispatch{"warp", "warp_dedup", "hybrid", "bulk", "bulk_dedup"};
   std::vector<std::string> combine{"warp", "hybrid", "bulk"};
   std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk"};
+  std::vector<int> split;  // remote CTA percentages (warp_rP variants)
   std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
 };
 
@@ -75,6 +81,9 @@ Options parse(int argc, char** argv) {
     else if (k == "--dispatch") o.dispatch = split(v);
     else if (k == "--combine") o.combine = split(v);
     else if (k == "--copy") o.copy = split(v);
+    else if (k == "--split") {
+      for (const auto& x : split(v)) o.split.push_back(std::stoi(x));
+    }
     else if (k == "--ctas") {
       o.ctas.clear();
       for (const auto& x : split(v)) o.ctas.push_back(std::stoi(x));
@@ -98,7 +107,15 @@ struct Variant {
   bool push = false;   // copy: local -> peer
   bool bulk = false;   // copy: bulk async copies
   bool risky = false;  // bulk copies over NVLink: measured last
+  int split_pct = 0;   // kWarp: remote CTAs in % of the comm CTAs (0: unsplit, -1: kRemoteCtasAuto)
 };
+
+// role.remote_ctas of a variant at `ctas` comm CTAs.
+int remote_ctas_of(const Variant& v, int ctas) {
+  if (v.engine != CopyEngine::kWarp || v.dedup || v.split_pct == 0) return 0;
+  if (v.split_pct < 0) return comm::kRemoteCtasAuto;
+  return std::clamp((ctas * v.split_pct + 50) / 100, 1, std::max(ctas - 1, 1));
+}
 
 bool lookup(Kind kind, const std::string& name, Variant& v) {
   v = Variant{kind, name};
@@ -110,6 +127,8 @@ bool lookup(Kind kind, const std::string& name, Variant& v) {
     return true;
   }
   if (name == "warp" || name == "warp_dedup") v.engine = CopyEngine::kWarp;
+  else if (name == "warp_auto") v.split_pct = -1;
+  else if (name.rfind("warp_r", 0) == 0 && name.size() > 6) v.split_pct = std::stoi(name.substr(6));
   else if (name == "hybrid") v.engine = CopyEngine::kHybrid;
   else if (name == "bulk" || name == "bulk_dedup") v.engine = CopyEngine::kBulk;
   else return false;
@@ -134,8 +153,19 @@ std::vector<Variant> plan(const Options& o) {
     }
   };
   add(Kind::kCopy, o.copy);
-  add(Kind::kDispatch, o.dispatch);
-  add(Kind::kCombine, o.combine);
+  std::vector<std::string> dispatch = o.dispatch, combine = o.combine;
+  if (!o.split.empty()) {  // the split variants right after the unsplit warp ones
+    auto with_split = [&](std::vector<std::string>& names) {
+      auto at = std::find(names.begin(), names.end(), "warp");
+      std::vector<std::string> extra{"warp_auto"};
+      for (int pct : o.split) extra.push_back("warp_r" + std::to_string(pct));
+      names.insert(at == names.end() ? names.end() : at + 1, extra.begin(), extra.end());
+    };
+    with_split(dispatch);
+    with_split(combine);
+  }
+  add(Kind::kDispatch, dispatch);
+  add(Kind::kCombine, combine);
   safe.insert(safe.end(), risky.begin(), risky.end());
   return safe;
 }
@@ -227,6 +257,7 @@ void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stre
   l.role.dest_row = sb.dest_row.get();
   l.role.tokens = s.tokens;
   l.role.topk = s.topk;
+  l.role.remote_ctas = remote_ctas_of(v, ctas);
   l.start = comm::GroupBarrier{st.sync(comm::SyncSite::kDispatchStart), st.layout().flags, st.next_epoch()};
   l.ctas = ctas;
   l.counters = st.ready_counters();
@@ -246,6 +277,7 @@ void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, con
   l.role.expert_out = reinterpret_cast<const char*>(expert_out);
   l.role.wait = st.wait_context();
   l.role.engine = v.engine;
+  l.role.remote_ctas = remote_ctas_of(v, ctas);
   l.done = comm::GroupBarrier{st.sync(comm::SyncSite::kCombineDone), st.layout().flags, st.next_epoch()};
   l.ctas = ctas;
   comm::launch_combine(l, stream);
@@ -516,8 +548,10 @@ void write_json(Shared& sh, const std::string& command) {
     const double g = gbps(nvlink_bytes(p), ms);
     std::printf("%-9s %-11s %5d %9.3f %10.1f %10.3f %10.3f\n", kind_name(p.v.kind), p.v.name.c_str(), p.ctas, ms, g,
                 pw.p ? pw.ms / ms : NAN, nccl_ms / ms);
+    const int rc = remote_ctas_of(p.v, p.ctas);
     sweep << (first ? "" : ",\n    ") << "{\"kind\": \"" << kind_name(p.v.kind) << "\", \"variant\": \"" << p.v.name
-          << "\", \"comm_ctas\": " << p.ctas << ", \"ms\": " << fmt(ms) << ", \"nvlink_bytes\": "
+          << "\", \"comm_ctas\": " << p.ctas << ", \"remote_ctas\": "
+          << comm::resolve_remote_ctas(rc, ep, p.ctas) << ", \"ms\": " << fmt(ms) << ", \"nvlink_bytes\": "
           << static_cast<int64_t>(nvlink_bytes(p)) << ", \"nvlink_GBps\": " << fmt(g) << "}";
     first = false;
   }

@@ -4,15 +4,17 @@
 #   scripts/gpu_comm.sh build   # CPU machine: CMake/Ninja in build-commperf, binaries + libmok.so -> .devbin/commperf/
 #   scripts/gpu_comm.sh run     # GPU machine, repo root: tests, compute-sanitizer, torchrun mode, bench
 #   scripts/gpu_comm.sh perf    # GPU machine: test_comm, test_comm_errors, bench_comm sweep (one short call)
+#   scripts/gpu_comm.sh v3      # GPU machine: comm + forward tests, bench_comm split sweep, bench_forward dsv3,qwen3
 #   STEPS_ONLY="test_comm bench_comm" scripts/gpu_comm.sh run   # a subset of the steps
+#   BIN=.devbin/comm2 BUILD=build-comm2 scripts/gpu_comm.sh ...  # other binary / build folders
 #
 # `run`/`perf` write logs to $OUT (default ./comm-out) and the bench JSON to $OUT. Set MOK_COMMIT
 # (the device copy of the tree has no .git) so the record names the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-}
-BIN=.devbin/commperf
-BUILD=build-commperf
+BIN=${BIN:-.devbin/commperf}
+BUILD=${BUILD:-build-commperf}
 
 build() {
   set -e
@@ -62,6 +64,33 @@ perf() {
   sed -n '/^bench_comm: EP=.*T=/,$p' "$LOGS/bench_comm.log" | head -80
 }
 
+# The v3 call (one short device call, <= 150 s): the kWarp roles generic over the warp count and
+# the remote / own CTA split. Needs test_forward and bench_forward in $BIN too.
+v3() {
+  gpu_env
+  OUT=${OUT:-comm-out}; mkdir -p "$OUT"
+  LOGS=$(mktemp -d)
+  export MOK_COMMIT=${MOK_COMMIT:-unknown}
+  if ldd $BIN/bench_forward | grep -q "not found"; then  # cuBLAS: the toolkit's, else PyTorch's wheel
+    local wheel
+    wheel=$(python3 -c "import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__))" 2>/dev/null)
+    export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/usr/local/cuda/lib64${wheel:+:$wheel/lib}
+  fi
+  local NGPU=$(nvidia-smi -L | wc -l)
+  { nvidia-smi -L; nvidia-smi topo -m; } > "$LOGS/env.log" 2>&1
+  step test_comm         20 $BIN/test_comm
+  step bench_comm        22 $BIN/bench_comm --ctas 8,12,16,24,32 --dispatch warp --combine warp \
+                              --copy pull_warp,push_warp --split 33,50,67 --out "$OUT/comm_v3_ep$NGPU.json"
+  step test_forward      35 $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*:Ep/ForwardVsReference.*:Ep/ForwardDeterminism.*:FusedForward.*'
+  step bench_forward     55 $BIN/bench_forward --shapes dsv3,qwen3 --comm 8,16,24 --iters 5 --warmup 2 --out "$OUT/forward_v2.json"
+  step test_comm_errors  12 $BIN/test_comm_errors
+  echo "==== summary (logs in $OUT/logs.tgz) ===="
+  cat "$OUT/summary.log"
+  grep -h -E "^\[  FAILED|Failure|mismatch|not run" "$LOGS"/test_*.log | head -20
+  sed -n '/^bench_comm: EP=.*T=/,$p' "$LOGS/bench_comm.log" | head -70
+  grep -h -A14 "^bench_forward: EP" "$LOGS/bench_forward.log" 2>/dev/null | head -30
+}
+
 run() {
   gpu_env
   OUT=${OUT:-comm-out}; mkdir -p "$OUT"
@@ -91,5 +120,6 @@ case "$MODE" in
   build) build ;;
   run) run ;;
   perf) perf ;;
-  *) echo "usage: $0 build|run|perf"; exit 2 ;;
+  v3) v3 ;;
+  *) echo "usage: $0 build|run|perf|v3"; exit 2 ;;
 esac

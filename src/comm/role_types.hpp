@@ -1,4 +1,5 @@
-// Parameters of the communication roles (host-compilable); the device code is in roles.cuh.
+// Parameters of the communication roles (host-compilable); the device code is in roles.cuh
+// (kWarp, epilogue) and roles_bulk.cuh (kHybrid, kBulk).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,12 +29,26 @@ struct CommCtaConfig {
 //            padding by warp 0 with bulk async copies (TMA) through shared-memory stages,
 //            concurrently: the comm CTAs keep NVLink busy while the local copies run
 //   kBulk    every row by bulk async copies (one issuing lane per CTA, ~200 KiB in flight)
-// kHybrid and kBulk need dynamic shared memory (role_smem_bytes() in roles.cuh); the 3-argument
+// kHybrid and kBulk need dynamic shared memory (role_smem_bytes() in roles_bulk.cuh); the 3-argument
 // device roles (no shared memory) fall back to kWarp. Measured on 2x H200 (docs/comm.md, "Copy
 // engines: measured"): both are SLOWER than kWarp at 8-32 CTAs (one issuing lane per CTA moves
 // 13-22 GB/s); kWarp stays the default.
 
 enum class CopyEngine : int32_t { kWarp = 0, kHybrid = 1, kBulk = 2 };
+
+// CTA split of the kWarp engine (`remote_ctas` of the roles): of n comm CTAs, CTAs [0, R) move
+// the rows of other ranks (NVLink) and [R, n) the own rank's rows and padding (local HBM), each
+// group over every row tile, so a CTA on a local tile never holds NVLink traffic back.
+//   0                 no split: CTA c takes every row of tiles c, c + n, ... (the original)
+//   kRemoteCtasAuto   R = n * (ep - 1) / ep rounded (the remote share of the rows), in [1, n - 1]
+//   R > 0             R, clamped to [1, n - 1]
+// EP = 1 or n = 1: never split. Same bytes in every case.
+inline constexpr int32_t kRemoteCtasAuto = -1;
+MOK_HD inline int resolve_remote_ctas(int requested, int ep, int nctas) {
+  if (ep < 2 || nctas < 2 || requested == 0) return 0;
+  const int r = requested > 0 ? requested : (nctas * (ep - 1) + ep / 2) / ep;
+  return r < 1 ? 1 : (r > nctas - 1 ? nctas - 1 : r);
+}
 
 struct DispatchRole {
   PeerMap peers;
@@ -56,6 +71,10 @@ struct DispatchRole {
   const int32_t* dest_row = nullptr;  // ScheduleView::dest_row [ep*T*K]
   int64_t tokens = 0;                 // T per rank
   int topk = 0;                       // K
+  // kWarp without dedup: CTA split (kRemoteCtasAuto etc. above). Off by default: as a pull the
+  // link needs ~16 CTAs, too many to leave enough for the local rows at <= 24 (docs/comm.md).
+  // The split completes a tile in two CTAs: tile_done counts them (zeroed before, like ready).
+  int32_t remote_ctas = 0;
 };
 
 struct CombineRole {
@@ -70,6 +89,7 @@ struct CombineRole {
   uint32_t out_ready_target = 0;
   WaitContext wait;
   CopyEngine engine = CopyEngine::kWarp;  // added; see CopyEngine
+  int32_t remote_ctas = kRemoteCtasAuto;  // kWarp: CTA split (see kRemoteCtasAuto); 0 = off
 };
 
 struct EpilogueRole {

@@ -5,7 +5,7 @@
 
 #include "comm/barrier.cuh"
 #include "comm/cuda_check.hpp"
-#include "comm/roles.cuh"
+#include "comm/roles_bulk.cuh"
 
 namespace mok::comm {
 namespace {

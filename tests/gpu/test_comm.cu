@@ -1,8 +1,8 @@
-// Communication layer, whole path on 1 and 2 GPUs (launch mode (a): one thread per GPU):
+// Communication layer, whole path on 1, 2, 4 and 8 GPUs (launch mode (a): one thread per GPU):
 // GPU schedule bitwise equal to mok::ref::make_schedule, dispatch / combine / epilogue bitwise
 // equal to the bytes the reference schedule predicts, for every comm-CTA count and dispatch
-// mode (knob invariance), repeated runs identical. EP=2 cases skip with fewer than 2 GPUs.
-// CommEngines: every copy engine (CopyEngine: hybrid, bulk, bulk dedup fan-out) and CTA count
+// mode (knob invariance), repeated runs identical. EP=n cases skip with fewer than n GPUs.
+// CommEngines: every copy engine (CopyEngine: hybrid, bulk, bulk dedup fan-out, the kWarp CTA split) and CTA count
 // gives the same bytes, and the ready counters end at exactly the tiles of each minibatch.
 #include <atomic>
 
@@ -70,29 +70,40 @@ std::string case_name(const ::testing::TestParamInfo<CommCase>& info) { return i
 
 INSTANTIATE_TEST_SUITE_P(Ep1, CommPipeline, ::testing::ValuesIn(cases(1)), case_name);
 INSTANTIATE_TEST_SUITE_P(Ep2, CommPipeline, ::testing::ValuesIn(cases(2)), case_name);
+// Scale-out (4- and 8-GPU machines); these skip, saying so, with fewer GPUs.
+INSTANTIATE_TEST_SUITE_P(Ep4, CommPipeline, ::testing::ValuesIn(cases(4)), case_name);
+INSTANTIATE_TEST_SUITE_P(Ep8, CommPipeline, ::testing::ValuesIn(cases(8)), case_name);
 
 // ---- copy engines --------------------------------------------------------------------------------
 struct EngineVariant {
   comm::CopyEngine engine;
   bool dedup;
   int ctas;
+  int remote_ctas = 0;  // kWarp CTA split (role.remote_ctas): 0 off, comm::kRemoteCtasAuto, or R
 };
 const std::vector<EngineVariant>& engine_dispatch_variants() {
   using E = comm::CopyEngine;
   static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
                                             {E::kBulk, false, 1},    {E::kBulk, true, 16},    {E::kBulk, true, 5},
-                                            {E::kHybrid, true, 7}};
+                                            {E::kHybrid, true, 7},
+                                            // kWarp CTA split: remote rows on CTAs [0, R), own rows and padding on the rest
+                                            {E::kWarp, false, 16, 5},  {E::kWarp, false, 3, 1},
+                                            {E::kWarp, false, 2, comm::kRemoteCtasAuto}, {E::kWarp, false, 7, 6}};
   return v;
 }
 const std::vector<EngineVariant>& engine_combine_variants() {
   using E = comm::CopyEngine;
   static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
-                                            {E::kBulk, false, 1}};
+                                            {E::kBulk, false, 1},
+                                            {E::kWarp, false, 16, 0},  {E::kWarp, false, 16, 5},
+                                            {E::kWarp, false, 3, 1},   {E::kWarp, false, 7, comm::kRemoteCtasAuto},
+                                            {E::kWarp, false, 2, 1}};
   return v;
 }
 std::string engine_name(const EngineVariant& v) {
   return std::string(v.engine == comm::CopyEngine::kBulk ? "bulk" : v.engine == comm::CopyEngine::kHybrid ? "hybrid" : "warp") +
-         (v.dedup ? "+dedup" : "") + " ctas " + std::to_string(v.ctas);
+         (v.dedup ? "+dedup" : "") + " ctas " + std::to_string(v.ctas) +
+         (v.remote_ctas != 0 ? " remote_ctas " + std::to_string(v.remote_ctas) : "");
 }
 
 // An engine that timed out once is not launched again (every launch would cost a full timeout);
@@ -158,6 +169,7 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
     l.role.dest_row = sb.dest_row.get();
     l.role.tokens = s.tokens;
     l.role.topk = s.topk;
+    l.role.remote_ctas = v.remote_ctas;
     l.start = comm::GroupBarrier{st.sync(comm::SyncSite::kDispatchStart), st.layout().flags, st.next_epoch()};
     l.ctas = v.ctas;
     l.counters = st.ready_counters();
@@ -186,6 +198,7 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
     l.role.expert_out = reinterpret_cast<const char*>(d_out.get());
     l.role.wait = st.wait_context();
     l.role.engine = v.engine;
+    l.role.remote_ctas = v.remote_ctas;
     l.done = comm::GroupBarrier{st.sync(comm::SyncSite::kCombineDone), st.layout().flags, st.next_epoch()};
     l.ctas = v.ctas;
     comm::launch_combine(l, stream);
@@ -282,6 +295,7 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Ep1, CommEngines, ::testing::ValuesIn(engine_cases(1)), case_name);
 INSTANTIATE_TEST_SUITE_P(Ep2, CommEngines, ::testing::ValuesIn(engine_cases(2)), case_name);
+INSTANTIATE_TEST_SUITE_P(Ep8, CommEngines, ::testing::ValuesIn(engine_cases(8)), case_name);
 
 }  // namespace
 }  // namespace mok::test
