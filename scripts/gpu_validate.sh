@@ -26,11 +26,13 @@ build() {
 }
 
 STEPS=()
+FAILED=0
 step() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   timeout --kill-after=5 $limit "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
+  [ $rc = 0 ] || FAILED=$((FAILED + 1))
   local what
   what=$(grep -E '^\[  (PASSED|FAILED) +\]|tests? (passed|failed)|ERROR SUMMARY|RACECHECK SUMMARY|bitwise identical|final loss' "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-140)
   STEPS+=("$(printf '%-22s rc=%-4s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$what")")
@@ -66,6 +68,8 @@ run() {
   echo "==== summary ($NGPU GPU(s); logs in \$OUT/logs.tgz) ===="
   cat "$OUT/summary.log"
   grep -h -E "^\[  FAILED|Failure|mismatch" "$LOGS"/test_*.log 2>/dev/null | head -20
+  echo "$FAILED step(s) failed"
+  [ $FAILED = 0 ]
 }
 
 case "${1:-}" in

@@ -126,7 +126,7 @@ struct RunResult {
   Params student;
 };
 
-// One training run. With `gpu`, the forward runs on the GPUs (the staged mok forward) and the
+// One training run. With `gpu`, the forward runs on the GPUs (mok::forward) and the
 // backward on the CPU reference (no GPU backward yet), which recomputes its own context.
 RunResult train(const LayerShape& shape, const Config& cfg, int64_t steps, int64_t log_every, double lr,
                 uint64_t seed, bool gpu, bool verbose) {
@@ -212,7 +212,7 @@ bool choose_gpu(const std::string& engine, std::string& why, int& gpus) {
   }
   if (engine != "gpu" && engine != "auto") throw_invalid("--engine", "auto, cpu or gpu", engine);
   if (gpu_ok) {
-    why = std::string("GPU forward (mok staged forward, one GPU per rank); backward on the CPU reference ") +
+    why = std::string("GPU forward (mok::forward, one GPU per rank); backward on the CPU reference ") +
           (info.gpu_backward ? "" : "(no GPU backward yet)");
     return true;
   }
