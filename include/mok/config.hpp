@@ -10,7 +10,9 @@ namespace mok {
 
 struct Config {
   // SMs of the persistent grid that run communication roles (dispatch/combine).
-  int comm_sms_forward = 16;
+  // comm_sms_forward 0 = automatic: enough CTAs to move the pass's token rows in about the
+  // time its GEMMs take on the other SMs (effective_comm_sms_forward).
+  int comm_sms_forward = 0;
   int comm_sms_backward = 16;
   // Routed rows per overlap step (GEMMs on a minibatch start once its rows arrived).
   // 0 = automatic (chosen from the shape). Otherwise a positive multiple of kRowTile.
@@ -37,6 +39,8 @@ struct Config {
   int64_t buffer_rows_per_rank(const LayerShape& shape) const;
   // The minibatch actually used (resolves 0 = automatic).
   int64_t effective_minibatch(const LayerShape& shape) const;
+  // The communication CTAs of the forward actually used (resolves 0 = automatic).
+  int effective_comm_sms_forward(const LayerShape& shape) const;
 };
 
 }  // namespace mok

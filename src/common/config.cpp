@@ -10,9 +10,10 @@ namespace {
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-void check_comm_sms(const char* name, int value) {
-  if (value < 1 || value > 128) {
-    throw_invalid(std::string("Config.") + name, "a number of communication SMs in [1, 128]",
+void check_comm_sms(const char* name, int value, bool allow_auto) {
+  if (value < (allow_auto ? 0 : 1) || value > 128) {
+    throw_invalid(std::string("Config.") + name,
+                  std::string(allow_auto ? "0 (automatic) or " : "") + "a number of communication SMs in [1, 128]",
                   std::to_string(value));
   }
 }
@@ -21,12 +22,12 @@ void check_comm_sms(const char* name, int value) {
 
 void Config::validate(const LayerShape& shape) const {
   shape.validate();
-  check_comm_sms("comm_sms_forward", comm_sms_forward);
-  check_comm_sms("comm_sms_backward", comm_sms_backward);
+  check_comm_sms("comm_sms_forward", comm_sms_forward, true);
+  check_comm_sms("comm_sms_backward", comm_sms_backward, false);
   if (grid_sms < 0 || grid_sms > 1024) {
     throw_invalid("Config.grid_sms", "0 (every SM) or a number of SMs in [1, 1024]", std::to_string(grid_sms));
   }
-  const int comm = std::max(comm_sms_forward, comm_sms_backward);
+  const int comm = std::max(effective_comm_sms_forward(shape), comm_sms_backward);
   if (grid_sms != 0 && grid_sms <= comm) {
     throw_invalid("Config.grid_sms",
                   "more SMs than the communication SMs (" + std::to_string(comm) + ") so GEMM SMs remain",
@@ -71,6 +72,23 @@ int64_t Config::effective_minibatch(const LayerShape& shape) const {
   // About eight overlap steps per pass, between one and 32 row tiles each.
   const int64_t rows = round_up(std::max<int64_t>(shape.tokens * shape.topk / 8, 1), kRowTile);
   return std::clamp<int64_t>(rows, kRowTile, 32 * kRowTile);
+}
+
+int Config::effective_comm_sms_forward(const LayerShape& shape) const {
+  if (comm_sms_forward > 0) return comm_sms_forward;
+  // Dispatch and combine each move every routed row (T*K rows of H bf16, own-rank rows
+  // included); one comm CTA moves about 20 GB/s, the GEMM SMs deliver about 600 TFLOP/s
+  // (H200, docs/perf-log.md). Pick the CTAs that finish the bytes in the GEMMs' time: this
+  // reproduces the best points of the 2026-11-30 sweeps (dsv3 8-9, qwen3 ~26, gptoss ~7).
+  // Any count gives the same bits (D2).
+  const double rows = static_cast<double>(shape.tokens) * shape.topk;
+  const double bytes = 2.0 * rows * static_cast<double>(shape.hidden) * 2.0;
+  const double flops = 6.0 * static_cast<double>(shape.hidden) *
+                       (static_cast<double>(shape.intermediate) * rows +
+                        static_cast<double>(shape.shared_intermediate) * static_cast<double>(shape.tokens));
+  const double gemm_s = flops / 600e12, cta_bytes_per_s = 20e9;
+  const int ctas = static_cast<int>(std::ceil(bytes / (gemm_s * cta_bytes_per_s)));
+  return std::clamp(ctas, 4, 32);
 }
 
 std::string Config::to_string() const {

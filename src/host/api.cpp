@@ -51,14 +51,14 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   DeviceGuard guard(impl.device);
   if (impl.forward_path == megakernel::ForwardPath::kFused) {
     megakernel::FusedForwardOptions options;
-    options.comm_ctas = impl.config.comm_sms_forward;
+    options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;
-    options.dispatch_ctas = impl.config.comm_sms_forward;
-    options.combine_ctas = impl.config.comm_sms_forward;
+    options.dispatch_ctas = impl.config.effective_comm_sms_forward(impl.shape);
+    options.combine_ctas = options.dispatch_ctas;
     options.gemm_grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);

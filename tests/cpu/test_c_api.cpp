@@ -10,7 +10,7 @@ namespace {
 TEST(CApi, DefaultsAndValidation) {
   mok_config_t cfg;
   ASSERT_EQ(mok_config_default(&cfg), MOK_OK);
-  EXPECT_EQ(cfg.comm_sms_forward, 16);
+  EXPECT_EQ(cfg.comm_sms_forward, 0);  // automatic
   EXPECT_DOUBLE_EQ(cfg.capacity, 2.0);
   mok_layer_shape_t shape{512, 1024, 512, 0, 16, 4, 2};
   EXPECT_EQ(mok_validate(&shape, &cfg), MOK_OK) << mok_last_error();

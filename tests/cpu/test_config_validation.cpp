@@ -77,7 +77,8 @@ TEST(ShapeValidation, TopKAndExperts) {
 TEST(ConfigValidation, DefaultsAreValid) {
   mok::Config c;
   EXPECT_NO_THROW(c.validate(good_shape()));
-  EXPECT_EQ(c.comm_sms_forward, 16);
+  EXPECT_EQ(c.comm_sms_forward, 0);  // automatic
+  EXPECT_EQ(c.comm_sms_backward, 16);
   EXPECT_EQ(c.capacity, 2.0);
   EXPECT_EQ(c.effective_minibatch(good_shape()) % mok::kRowTile, 0);
 }
@@ -85,8 +86,13 @@ TEST(ConfigValidation, DefaultsAreValid) {
 TEST(ConfigValidation, BadKnobsNameTheKnob) {
   const auto s = good_shape();
   mok::Config c;
-  c.comm_sms_forward = 0;
-  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_forward", "[1, 128]", "0"});
+  c.comm_sms_forward = -1;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_forward", "0 (automatic)", "[1, 128]", "-1"});
+  c.comm_sms_forward = 129;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_forward", "129"});
+  c = {};
+  c.comm_sms_backward = 0;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "[1, 128]", "0"});
   c = {};
   c.comm_sms_backward = 500;
   expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "500"});
@@ -111,6 +117,20 @@ TEST(ConfigValidation, BadKnobsNameTheKnob) {
   c = {};
   c.wait_timeout_s = 0;
   expect_invalid([&] { c.validate(s); }, {"Config.wait_timeout_s", "0"});
+}
+
+// The automatic comm-CTA count lands on the best points of the 2026-11-30 EP=2 sweeps
+// (docs/perf-log.md: dsv3 best at 8, qwen3 at 24, gptoss at 6-8); an explicit value wins.
+TEST(ConfigValidation, AutomaticCommSmsFollowBytesPerFlop) {
+  mok::Config c;
+  EXPECT_GE(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 7);
+  EXPECT_LE(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 10);
+  EXPECT_GE(c.effective_comm_sms_forward(mok::qwen3_shape(2)), 20);
+  EXPECT_LE(c.effective_comm_sms_forward(mok::qwen3_shape(2)), 32);
+  EXPECT_GE(c.effective_comm_sms_forward(mok::gptoss_shape(2)), 5);
+  EXPECT_LE(c.effective_comm_sms_forward(mok::gptoss_shape(2)), 9);
+  c.comm_sms_forward = 12;
+  EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 12);
 }
 
 TEST(ConfigValidation, CapacitySizesBuffers) {
