@@ -13,6 +13,8 @@ const char* wait_site_name(WaitSite site) {
     case WaitSite::kCombineSource: return "combine (an expert-output row tile)";
     case WaitSite::kReadyCounter: return "minibatch ready counter";
     case WaitSite::kTest: return "test flag";
+    case WaitSite::kHiddenRowTile: return "GEMM 1 tiles of a hidden row tile (fused forward)";
+    case WaitSite::kBulkCopy: return "bulk-copy stage (TMA copy engine)";
   }
   return "unknown wait";
 }

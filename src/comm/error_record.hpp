@@ -19,6 +19,8 @@ enum class WaitSite : int32_t {
   kCombineSource = 4,  // combine waiting for an expert-output row tile (GEMM 2)
   kReadyCounter = 5,   // a consumer waiting for a minibatch ready counter
   kTest = 6,           // tests that prove the timeout path
+  kHiddenRowTile = 7,  // a GEMM 2 task waiting for every GEMM 1 column tile of its row tile
+  kBulkCopy = 8,       // a TMA bulk-copy stage of the opt-in bulk engines (roles_bulk.cuh)
 };
 const char* wait_site_name(WaitSite site);
 

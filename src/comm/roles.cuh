@@ -14,7 +14,7 @@
 // Engines (CopyEngine, role_types.hpp): kWarp = 16-byte vectors through registers (WarpShape:
 // rows at once x vectors per row in flight per lane), each warp fetching its rows' entries in
 // one batched load, one CTA barrier per tile; kHybrid / kBulk add bulk async copies (TMA, cp.async.bulk) through shared-memory stages
-// (bulk_engine in this file) and count landed rows per tile instead of barriers. Same bytes everywhere.
+// (bulk_engine in roles_bulk.cuh) and count landed rows per tile instead of barriers. Same bytes everywhere.
 #pragma once
 
 #include <cuda_bf16.h>

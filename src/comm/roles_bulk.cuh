@@ -509,10 +509,10 @@ __device__ inline void dispatch_pull_bulk(const DispatchRole& r, int cta, int nc
     TileRowCounter counter{r.tile_done, r.ready, r.tiles_per_minibatch};
     if (E == CopyEngine::kBulk && dispatch_fans_out(r)) {
       DispatchRowSource<E == CopyEngine::kBulk> source(r, sm, cta, nctas, RowPick::kDispatchFirst);
-      bulk_engine<true>(source, sm, counter, WaitSite::kDispatchTile, r.wait);
+      bulk_engine<true>(source, sm, counter, WaitSite::kBulkCopy, r.wait);
     } else {
       DispatchRowSource<false> source(r, sm, cta, nctas, hybrid ? RowPick::kDispatchOwn : RowPick::kDispatchAll);
-      bulk_engine<true>(source, sm, counter, WaitSite::kDispatchTile, r.wait);
+      bulk_engine<true>(source, sm, counter, WaitSite::kBulkCopy, r.wait);
     }
   } else if (hybrid) {
     remote_rows_by_warps<false>(r, cta, nctas, warp - 1, nwarps - 1);
@@ -545,7 +545,7 @@ __device__ inline void combine_push_bulk(const CombineRole& r, int cta, int ncta
   if (warp == 0) {
     CombineRowSource source(r, sm, cta, nctas, hybrid ? RowPick::kCombineOwn : RowPick::kCombineAll);
     TileRowCounter unused;
-    bulk_engine<false>(source, sm, unused, WaitSite::kCombineSource, r.wait);
+    bulk_engine<false>(source, sm, unused, WaitSite::kBulkCopy, r.wait);
   } else if (hybrid) {
     remote_rows_by_warps<true>(r, cta, nctas, warp - 1, nwarps - 1);
   }

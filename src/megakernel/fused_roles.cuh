@@ -108,14 +108,14 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
     case TaskKind::kSharedGemm1:
       return;  // x is an input of the pass
     case TaskKind::kSharedGemm2:
-      comm::wait_geq<Scope::kGpu>(p.s1_done + t.row_tile, 2u * p.tasks.shared_n1, comm::WaitSite::kReadyCounter,
+      comm::wait_geq<Scope::kGpu>(p.s1_done + t.row_tile, 2u * p.tasks.shared_n1, comm::WaitSite::kHiddenRowTile,
                                   p.wait);
       break;
     case TaskKind::kGemm1:
       comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
       break;
     case TaskKind::kGemm2:
-      comm::wait_geq<Scope::kGpu>(p.g1_done + t.row_tile, 2u * p.tasks.n1, comm::WaitSite::kReadyCounter, p.wait);
+      comm::wait_geq<Scope::kGpu>(p.g1_done + t.row_tile, 2u * p.tasks.n1, comm::WaitSite::kHiddenRowTile, p.wait);
       break;
   }
   // NOTE: the rows were written by other CTAs (generic stores of dispatch, or TMA stores
