@@ -38,17 +38,21 @@
 #include <vector>
 
 #include "bench_record.hpp"
+#include "bench_timing.hpp"
 #include "comm/comm_state.hpp"
 #include "comm/cuda_check.hpp"
 #include "comm/roles_bulk.cuh"
 #include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
+#include "megakernel/bench_support.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
 
 namespace {
 
 using namespace mok;
+using bench::median;
+using bench::time_ms;
 using comm::CopyEngine;
 
 std::vector<std::string> split(const std::string& v) {
@@ -284,49 +288,7 @@ void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, con
 }
 
 // ---- timing ----------------------------------------------------------------------------------------
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
-// Times `iters` runs of `op` on every rank; all ranks start each run together (host barrier).
-template <class Op>
-double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
-  cudaEvent_t a, b;
-  MOK_CUDA_CHECK(cudaEventCreate(&a));
-  MOK_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> ms;
-  for (int i = 0; i < o.warmup + o.iters; ++i) {
-    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    sync.arrive_and_wait();
-    MOK_CUDA_CHECK(cudaEventRecord(a, stream));
-    op();
-    MOK_CUDA_CHECK(cudaEventRecord(b, stream));
-    MOK_CUDA_CHECK(cudaEventSynchronize(b));
-    float x = 0;
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
-    if (i >= o.warmup) ms.push_back(x);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(ms);
-}
-
-std::vector<std::vector<int32_t>> uniform_routing(const LayerShape& s, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<std::vector<int32_t>> idx(s.ep, std::vector<int32_t>(s.tokens * s.topk));
-  std::vector<int32_t> perm(s.experts);
-  for (int r = 0; r < s.ep; ++r) {
-    for (int64_t t = 0; t < s.tokens; ++t) {
-      for (int64_t i = 0; i < s.experts; ++i) perm[i] = static_cast<int32_t>(i);
-      for (int k = 0; k < s.topk; ++k) {
-        std::swap(perm[k], perm[k + rng() % (s.experts - k)]);
-        idx[r][t * s.topk + k] = perm[k];
-      }
-    }
-  }
-  return idx;
-}
 
 struct RowStats {
   int64_t real = 0, remote = 0, remote_first = 0, self = 0, self_first = 0, padding = 0;
@@ -616,7 +578,7 @@ int main(int argc, char** argv) {
   const LayerShape shape = dsv3_shape(ep, o.tokens);
   Config cfg;  // capacity 2.0 (min(capacity, ep) x T*K rows per rank)
   cfg.wait_timeout_s = 2.0;  // a broken variant stops the sweep in seconds
-  const auto routing = uniform_routing(shape, 2026);
+  const auto routing = megakernel::uniform_routing(shape, 2026);
   std::vector<std::vector<int64_t>> pair_rows(ep, std::vector<int64_t>(ep, 0));  // [src][dst]
   for (int s = 0; s < ep; ++s) {
     for (int32_t e : routing[s]) ++pair_rows[s][shape.owner_rank(e)];

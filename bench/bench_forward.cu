@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bench_record.hpp"
+#include "bench_timing.hpp"
 #include "comm/cuda_check.hpp"
 #include "host/workspace_impl.hpp"
 #include "megakernel/bench_support.hpp"
@@ -42,6 +43,8 @@
 namespace {
 
 using namespace mok;
+using bench::median;
+using bench::time_ms;
 
 struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
@@ -86,32 +89,6 @@ Options parse(int argc, char** argv) {
   } while (0)
 
 // ---- timing ------------------------------------------------------------------------------------
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-template <class Op>
-double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
-  cudaEvent_t a, b;
-  MOK_CUDA_CHECK(cudaEventCreate(&a));
-  MOK_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> ms;
-  for (int i = 0; i < o.warmup + o.iters; ++i) {
-    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    sync.arrive_and_wait();  // every rank starts the iteration together
-    MOK_CUDA_CHECK(cudaEventRecord(a, stream));
-    op();
-    MOK_CUDA_CHECK(cudaEventRecord(b, stream));
-    MOK_CUDA_CHECK(cudaEventSynchronize(b));
-    float x = 0;
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
-    if (i >= o.warmup) ms.push_back(x);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(ms);
-}
 
 // ---- the unfused baseline ------------------------------------------------------------------------
 // dst[i] = src[map[i]] (rows of `vecs` 16-byte vectors), map[i] < 0: a zero row. One warp a row.

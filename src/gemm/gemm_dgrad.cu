@@ -7,10 +7,7 @@ namespace mok::gemm {
 
 void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStream_t stream) {
   using host::check_pointer;
-  host::check_segments(a.seg);
-  host::check_launch(launch);
-  host::check_multiple("hidden", a.hidden, 64);
-  host::check_multiple("intermediate", a.intermediate, 64);
+  host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
   check_pointer("dys", a.dys);
   check_pointer("w_down", a.w_down);
   check_pointer("g", a.g);
@@ -28,19 +25,12 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   p.sched = host::row_scheduler(a.seg, I, 256, kGroupM);
   p.k_steps = static_cast<int>(H / 64);
   p.inter = static_cast<int>(I);
-  p.err = host::error_sink(launch);
-  host::with_cluster(launch, [&](auto c) {
-    p.sched.cluster = c;
-    host::launch_kind<DgradHiddenKind<c>>(p, launch, stream);
-  });
+  host::launch_row_kind<DgradHiddenKind>(p, launch, stream);
 }
 
 void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t stream) {
   using host::check_pointer;
-  host::check_segments(a.seg);
-  host::check_launch(launch);
-  host::check_multiple("hidden", a.hidden, 64);
-  host::check_multiple("intermediate", a.intermediate, 64);
+  host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
   check_pointer("dg", a.dg);
   check_pointer("du", a.du);
   check_pointer("w_gate", a.w_gate);
@@ -56,11 +46,7 @@ void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t str
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(2 * I / 64);
   p.hidden = static_cast<int>(H);
-  p.err = host::error_sink(launch);
-  host::with_cluster(launch, [&](auto c) {
-    p.sched.cluster = c;
-    host::launch_kind<DgradInputKind<c>>(p, launch, stream);
-  });
+  host::launch_row_kind<DgradInputKind>(p, launch, stream);
 }
 
 }  // namespace mok::gemm

@@ -7,10 +7,7 @@ namespace mok::gemm {
 
 void gemm1_swiglu(const Gemm1SwigluArgs& a, const Launch& launch, cudaStream_t stream) {
   using host::check_pointer;
-  host::check_segments(a.seg);
-  host::check_launch(launch);
-  host::check_multiple("hidden", a.hidden, 64);
-  host::check_multiple("intermediate", a.intermediate, 64);
+  host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
   check_pointer("x", a.x);
   check_pointer("w_gate", a.w_gate);
   check_pointer("w_up", a.w_up);
@@ -28,19 +25,12 @@ void gemm1_swiglu(const Gemm1SwigluArgs& a, const Launch& launch, cudaStream_t s
   p.sched = host::row_scheduler(a.seg, I, 128, kGroupM);
   p.k_steps = static_cast<int>(H / 64);
   p.inter = static_cast<int>(I);
-  p.err = host::error_sink(launch);
-  host::with_cluster(launch, [&](auto c) {
-    p.sched.cluster = c;
-    host::launch_kind<Gemm1SwigluKind<c>>(p, launch, stream);
-  });
+  host::launch_row_kind<Gemm1SwigluKind>(p, launch, stream);
 }
 
 void gemm2(const Gemm2Args& a, const Launch& launch, cudaStream_t stream) {
   using host::check_pointer;
-  host::check_segments(a.seg);
-  host::check_launch(launch);
-  host::check_multiple("hidden", a.hidden, 64);
-  host::check_multiple("intermediate", a.intermediate, 64);
+  host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
   check_pointer("h", a.h);
   check_pointer("w_down", a.w_down);
   check_pointer("out", a.out);
@@ -52,11 +42,7 @@ void gemm2(const Gemm2Args& a, const Launch& launch, cudaStream_t stream) {
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(I / 64);
   p.hidden = static_cast<int>(H);
-  p.err = host::error_sink(launch);
-  host::with_cluster(launch, [&](auto c) {
-    p.sched.cluster = c;
-    host::launch_kind<Gemm2Kind<c>>(p, launch, stream);
-  });
+  host::launch_row_kind<Gemm2Kind>(p, launch, stream);
 }
 
 }  // namespace mok::gemm

@@ -65,4 +65,22 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
 
 inline ErrorSink error_sink(const Launch& launch) { return {launch.error_flag, timeout_ns(launch)}; }
 
+// Checks every row-grouped GEMM (forward, dgrad) makes before it encodes its operands.
+inline void check_row_problem(const Segments& seg, const Launch& launch, int64_t hidden, int64_t intermediate) {
+  check_segments(seg);
+  check_launch(launch);
+  check_multiple("hidden", hidden, 64);
+  check_multiple("intermediate", intermediate, 64);
+}
+
+// Launches a row-grouped kind with the launch's cluster size and error sink.
+template <template <int> class Kind, class Params>
+void launch_row_kind(Params& p, const Launch& launch, cudaStream_t stream) {
+  p.err = error_sink(launch);
+  with_cluster(launch, [&](auto c) {
+    p.sched.cluster = c;
+    launch_kind<Kind<c>>(p, launch, stream);
+  });
+}
+
 }  // namespace mok::gemm::host
