@@ -243,47 +243,16 @@ __global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1)
 
 // ---- launches as CommState::dispatch / combine, with the engine chosen --------------------------
 void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stream) {
-  const LayerShape& s = st.shape();
-  const comm::ScheduleBuffers& sb = st.schedule_buffers();
-  comm::DispatchLaunch l;
-  l.role.peers = st.peers();
-  l.role.x_offset = st.layout().x;
-  l.role.row_bytes = s.hidden * 2;
-  l.role.header = sb.header.get();
-  l.role.rows = sb.rows.get();
-  l.role.row_buffer = reinterpret_cast<char*>(st.row_buffer());
-  l.role.ready = st.ready_counters();
-  l.role.tile_done = st.tile_flags();
-  l.role.tiles_per_minibatch = sb.minibatch / kRowTile;
-  l.role.dedup = v.dedup;
-  l.role.wait = st.wait_context();
+  comm::DispatchLaunch l = st.dispatch_launch(ctas, v.dedup);
   l.role.engine = v.engine;
-  l.role.dest_row = sb.dest_row.get();
-  l.role.tokens = s.tokens;
-  l.role.topk = s.topk;
   l.role.remote_ctas = remote_ctas_of(v, ctas);
-  l.start = comm::GroupBarrier{st.sync(comm::SyncSite::kDispatchStart), st.layout().flags, st.next_epoch()};
-  l.ctas = ctas;
-  l.counters = st.ready_counters();
-  l.counter_words = sb.max_minibatches + sb.buffer_rows / kRowTile;
   comm::launch_dispatch(l, stream);
 }
 
 void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, const Variant& v, cudaStream_t stream) {
-  const LayerShape& s = st.shape();
-  comm::CombineLaunch l;
-  l.role.peers = st.peers();
-  l.role.slots_offset = st.layout().slots;
-  l.role.row_bytes = s.hidden * 2;
-  l.role.topk = s.topk;
-  l.role.header = st.schedule_buffers().header.get();
-  l.role.rows = st.schedule_buffers().rows.get();
-  l.role.expert_out = reinterpret_cast<const char*>(expert_out);
-  l.role.wait = st.wait_context();
+  comm::CombineLaunch l = st.combine_launch(expert_out, ctas);
   l.role.engine = v.engine;
   l.role.remote_ctas = remote_ctas_of(v, ctas);
-  l.done = comm::GroupBarrier{st.sync(comm::SyncSite::kCombineDone), st.layout().flags, st.next_epoch()};
-  l.ctas = ctas;
   comm::launch_combine(l, stream);
 }
 

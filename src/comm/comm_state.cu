@@ -55,7 +55,7 @@ void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
-void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
+DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
   DispatchLaunch l;
   l.role.peers = peers();
   l.role.x_offset = layout_.x;
@@ -68,14 +68,21 @@ void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
   l.role.tiles_per_minibatch = schedule_->minibatch / kRowTile;
   l.role.dedup = dedup;
   l.role.wait = wait_context();
+  l.role.dest_row = schedule_->dest_row.get();
+  l.role.tokens = shape_.tokens;
+  l.role.topk = shape_.topk;
   l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
   l.ctas = ctas;
   l.counters = counters_.get();
   l.counter_words = counters_.size();
-  launch_dispatch(l, stream);
+  return l;
 }
 
-void CommState::combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream) {
+void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
+  launch_dispatch(dispatch_launch(ctas, dedup), stream);
+}
+
+CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas) {
   CombineLaunch l;
   l.role.peers = peers();
   l.role.slots_offset = layout_.slots;
@@ -87,7 +94,11 @@ void CommState::combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t 
   l.role.wait = wait_context();
   l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
   l.ctas = ctas;
-  launch_combine(l, stream);
+  return l;
+}
+
+void CommState::combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream) {
+  launch_combine(combine_launch(expert_out, ctas), stream);
 }
 
 void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, __nv_bfloat16* y,

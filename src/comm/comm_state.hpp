@@ -15,6 +15,7 @@
 #include "comm/error_record.hpp"
 #include "comm/nccl_window.hpp"
 #include "comm/peer_map.hpp"
+#include "comm/roles.hpp"
 #include "comm/schedule.hpp"
 #include "comm/sync_types.hpp"
 #include "mok/config.hpp"
@@ -40,6 +41,11 @@ class CommState {
   void stage_x(const __nv_bfloat16* x, cudaStream_t stream);
   // Barrier (x staged everywhere), then pull every routed row into row_buffer().
   void dispatch(int ctas, bool dedup, cudaStream_t stream);
+  // The launch descriptors behind dispatch()/combine(), for callers that pick another copy
+  // engine or split (tests, benchmarks) before launch_dispatch/launch_combine. Each consumes
+  // one barrier epoch: launch it exactly once, on every rank.
+  DispatchLaunch dispatch_launch(int ctas, bool dedup);
+  CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas);
   // Push expert_out [buffer_rows, H] rows to their slots, then barrier.
   void combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream);
   // y = bf16(fmaf chain over k), after combine.
