@@ -24,7 +24,9 @@ CommCase make_case(std::string name, int ep, int64_t tokens, int64_t hidden, int
   return c;
 }
 
-std::vector<CommCase> cases(int ep) {
+// The routing shapes every suite covers: uniform, skewed, empty experts, one rank receiving
+// everything, T not a multiple of 128, top-k 1 and 8.
+std::vector<CommCase> routing_cases(int ep) {
   std::vector<CommCase> v;
   v.push_back(make_case("Uniform", ep, 256, 256, 8, 4, Pattern::kUniform, 1));
   v.push_back(make_case("AllTokensToOneExpert", ep, 320, 128, 4, 2, Pattern::kOneExpert, 2));
@@ -33,6 +35,11 @@ std::vector<CommCase> cases(int ep) {
   v.push_back(make_case("TokensNotMultipleOf128", ep, 300, 192, 8, 3, Pattern::kUniform, 5));
   v.push_back(make_case("TopK1", ep, 384, 256, 8, 1, Pattern::kUniform, 6));
   v.push_back(make_case("TopK8", ep, 256, 512, 16, 8, Pattern::kUniform, 7));
+  return v;
+}
+
+std::vector<CommCase> cases(int ep) {
+  std::vector<CommCase> v = routing_cases(ep);
   v.push_back(make_case("OneLocalExpert", ep, 256, 128, 1, ep, Pattern::kUniform, 8));
   v.push_back(make_case("OneToken", ep, 1, 64, 4, 2, Pattern::kUniform, 9));
   CommCase zc = make_case("ZeroCopyNoShared", ep, 130, 64, 4, 2, Pattern::kUniform, 10);
@@ -185,14 +192,7 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
 }
 
 std::vector<CommCase> engine_cases(int ep) {
-  std::vector<CommCase> v;
-  v.push_back(make_case("Uniform", ep, 256, 256, 8, 4, Pattern::kUniform, 1));
-  v.push_back(make_case("AllTokensToOneExpert", ep, 320, 128, 4, 2, Pattern::kOneExpert, 2));
-  v.push_back(make_case("EmptyExperts", ep, 200, 128, 32, 2, Pattern::kFewExperts, 3));
-  v.push_back(make_case("OneRankReceivesEverythingUpToCapacity", ep, 256, 128, 8, 4, Pattern::kOneRank, 4));
-  v.push_back(make_case("TokensNotMultipleOf128", ep, 300, 192, 8, 3, Pattern::kUniform, 5));
-  v.push_back(make_case("TopK1", ep, 384, 256, 8, 1, Pattern::kUniform, 6));
-  v.push_back(make_case("TopK8", ep, 256, 512, 16, 8, Pattern::kUniform, 7));
+  std::vector<CommCase> v = routing_cases(ep);
   v.push_back(make_case("TopK32FanOutOfAWholeWarp", ep, 130, 128, 32, 32, Pattern::kUniform, 12));
   v.push_back(make_case("OneToken", ep, 1, 64, 4, 2, Pattern::kUniform, 9));
   // 18432-byte rows: two bulk chunks per row (BulkConfig::kMaxChunk is 16384).

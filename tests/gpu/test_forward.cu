@@ -189,14 +189,20 @@ const std::vector<Case>& cases() {
   return v;
 }
 
+// Case `which` on `ep` ranks (E grows with ep where it must stay a multiple of it).
+Case case_at(int which, int ep) {
+  Case c = cases()[which];
+  c.shape.ep = ep;
+  if (c.shape.experts % ep) c.shape.experts *= ep;
+  return c;
+}
+
 class ForwardVsReference : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(ForwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
   const auto [ep, which] = GetParam();
   MOK_REQUIRE_GPUS(ep);
-  Case c = cases()[which];
-  c.shape.ep = ep;
-  if (c.shape.experts % ep) c.shape.experts *= ep;
+  const Case c = case_at(which, ep);
   const Problem p = make_problem(c.shape, c.pattern, 1000 + which * 10 + ep);
   const Config cfg = default_config(c.shape);
   const ref::ForwardResult expect = ref::forward(c.shape, cfg, p.weights, p.inputs);
@@ -315,9 +321,7 @@ class FusedVsStaged : public ::testing::TestWithParam<std::tuple<int, int>> {};
 TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto [ep, which] = GetParam();
   MOK_REQUIRE_GPUS(ep);
-  Case c = cases()[which];
-  c.shape.ep = ep;
-  if (c.shape.experts % ep) c.shape.experts *= ep;
+  const Case c = case_at(which, ep);
   const Problem p = make_problem(c.shape, c.pattern, 3000 + which * 10 + ep);
   Config cfg = default_config(c.shape);
   cfg.minibatch = 128;  // many minibatches: GEMM2 of one overlaps GEMM1 of the next
