@@ -10,13 +10,17 @@
 // the EP>=2 figures were not measured.
 //
 //   bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 20] [--out file.json]
-//              [--dispatch warp,warp_dedup,hybrid,bulk,bulk_dedup] [--combine warp,hybrid,bulk]
+//              [--dispatch warp,warp_dedup,warp_dedup_r50,hybrid,bulk,bulk_dedup]
+//              [--combine warp,warp_inplace,hybrid,bulk]
 //              [--copy pull_warp,push_warp,pull_bulk,push_bulk] [--split 33,50,67]
 //
 // --split P,...: for each P also the kWarp dispatch and combine with the CTA split
 // (role.remote_ctas = P % of the comm CTAs, rounded, in [1, n-1], move the other ranks' rows,
 // the rest the own rows), variants warp_rP; the plain `warp` variants run unsplit
 // (remote_ctas = 0), `warp_auto` with kRemoteCtasAuto (the combine default). Default: none.
+// warp_dedup: the dedup fan-out dispatch (the layer's default); warp_dedup_rP / warp_dedup_auto
+// the same with the CTA split. warp_inplace: the layer's combine (own_rows_in_place: only other
+// ranks' rows move; the epilogue then reads the own rows in place, timed as epilogue_in_place_ms).
 //
 // Bytes, per rank and one way: `dispatch_bytes_moved` = rows from other ranks, one per (token, k)
 // (what crosses NVLink in the plain dispatch and in combine), `dispatch_bytes_min` = distinct
@@ -67,8 +71,8 @@ struct Options {
   int ep = 0;  // 0 = every local GPU
   std::vector<int> ctas{8, 16, 24, 32};
   int iters = 20, warmup = 3;
-  std::vector<std::string> dispatch{"warp", "warp_dedup", "hybrid", "bulk", "bulk_dedup"};
-  std::vector<std::string> combine{"warp", "hybrid", "bulk"};
+  std::vector<std::string> dispatch{"warp", "warp_dedup", "warp_dedup_r50", "hybrid", "bulk", "bulk_dedup"};
+  std::vector<std::string> combine{"warp", "warp_inplace", "hybrid", "bulk"};
   std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk"};
   std::vector<int> split;  // remote CTA percentages (warp_rP variants)
   std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
@@ -112,11 +116,12 @@ struct Variant {
   bool bulk = false;   // copy: bulk async copies
   bool risky = false;  // bulk copies over NVLink: measured last
   int split_pct = 0;   // kWarp: remote CTAs in % of the comm CTAs (0: unsplit, -1: kRemoteCtasAuto)
+  bool in_place = false;  // combine: own_rows_in_place (only other ranks' rows move)
 };
 
 // role.remote_ctas of a variant at `ctas` comm CTAs.
 int remote_ctas_of(const Variant& v, int ctas) {
-  if (v.engine != CopyEngine::kWarp || v.dedup || v.split_pct == 0) return 0;
+  if (v.engine != CopyEngine::kWarp || v.split_pct == 0) return 0;
   if (v.split_pct < 0) return comm::kRemoteCtasAuto;
   return std::clamp((ctas * v.split_pct + 50) / 100, 1, std::max(ctas - 1, 1));
 }
@@ -131,8 +136,10 @@ bool lookup(Kind kind, const std::string& name, Variant& v) {
     return true;
   }
   if (name == "warp" || name == "warp_dedup") v.engine = CopyEngine::kWarp;
-  else if (name == "warp_auto") v.split_pct = -1;
+  else if (name == "warp_inplace" && kind == Kind::kCombine) v.in_place = true;
+  else if (name == "warp_auto" || name == "warp_dedup_auto") v.split_pct = -1;
   else if (name.rfind("warp_r", 0) == 0 && name.size() > 6) v.split_pct = std::stoi(name.substr(6));
+  else if (name.rfind("warp_dedup_r", 0) == 0 && name.size() > 12) v.split_pct = std::stoi(name.substr(12));
   else if (name == "hybrid") v.engine = CopyEngine::kHybrid;
   else if (name == "bulk" || name == "bulk_dedup") v.engine = CopyEngine::kBulk;
   else return false;
@@ -250,7 +257,7 @@ void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stre
 }
 
 void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, const Variant& v, cudaStream_t stream) {
-  comm::CombineLaunch l = st.combine_launch(expert_out, ctas);
+  comm::CombineLaunch l = st.combine_launch(expert_out, ctas, v.in_place);
   l.role.engine = v.engine;
   l.role.remote_ctas = remote_ctas_of(v, ctas);
   comm::launch_combine(l, stream);
@@ -268,12 +275,13 @@ struct Shared {
   LayerShape shape;
   std::vector<Point> points;
   std::vector<RowStats> stats;
-  std::vector<double> nccl_ms, epilogue_ms, schedule_ms;
+  std::vector<double> nccl_ms, epilogue_ms, epilogue_in_place_ms, schedule_ms;
   std::atomic<bool> failed{false};
   std::string failure;
   std::barrier<> sync;
   Shared(const Options& opt, const LayerShape& s, std::vector<Point> p)
-      : o(opt), shape(s), points(std::move(p)), stats(s.ep), nccl_ms(s.ep), epilogue_ms(s.ep), schedule_ms(s.ep),
+      : o(opt), shape(s), points(std::move(p)), stats(s.ep), nccl_ms(s.ep), epilogue_ms(s.ep),
+        epilogue_in_place_ms(s.ep), schedule_ms(s.ep),
         sync(s.ep) {}
 };
 
@@ -379,7 +387,9 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
   }
   if (!sh.failed) {
     sh.schedule_ms[r] = time_ms(o, sh.sync, stream, [&] { schedule(*ws, topk.get(), stream); });
-    sh.epilogue_ms[r] = time_ms(o, sh.sync, stream, [&] { st.epilogue(topk_w.get(), nullptr, y.get(), stream); });
+    sh.epilogue_ms[r] = time_ms(o, sh.sync, stream, [&] { st.epilogue(topk_w.get(), nullptr, nullptr, y.get(), stream); });
+    sh.epilogue_in_place_ms[r] =
+        time_ms(o, sh.sync, stream, [&] { st.epilogue(topk_w.get(), nullptr, expert_out.get(), y.get(), stream); });
     stop_if_failed("schedule/epilogue");
   }
   for (Point& p : sh.points) {
@@ -427,10 +437,12 @@ struct Best {
   double ms = INFINITY;
 };
 
-Best best_of(const Shared& sh, Kind kind, int max_ctas, bool dedup, const std::string& only = "") {
+// in_place: -1 any, 0 / 1 only combines with own_rows_in_place off / on.
+Best best_of(const Shared& sh, Kind kind, int max_ctas, bool dedup, const std::string& only = "", int in_place = -1) {
   Best b;
   for (const Point& p : sh.points) {
     if (p.v.kind != kind || p.ctas > max_ctas || p.v.dedup != dedup) continue;
+    if (in_place >= 0 && p.v.in_place != (in_place == 1)) continue;
     if (!only.empty() && p.v.name != only) continue;
     const double ms = p.worst();
     if (ms > 0 && ms < b.ms) b = Best{&p, ms};
@@ -453,8 +465,12 @@ void write_json(Shared& sh, const std::string& command) {
   auto nvlink_bytes = [&](const Point& p) { return p.v.dedup ? minimum : moved; };
   auto worst = [&](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
   const double nccl_ms = sh.failed ? NAN : worst(sh.nccl_ms);
-  const Best d = best_of(sh, Kind::kDispatch, 24, false), dd = best_of(sh, Kind::kDispatch, 24, true);
-  const Best c = best_of(sh, Kind::kCombine, 24, false);
+  // The layer's dispatch / combine: the fastest variant at <= 24 CTAs of any kind (the defaults
+  // are dedup fan-out and own rows in place); the plain ones are reported beside them.
+  const Best dp = best_of(sh, Kind::kDispatch, 24, false), dd = best_of(sh, Kind::kDispatch, 24, true);
+  const Best d = dd.ms < dp.ms ? dd : dp;
+  const Best cs = best_of(sh, Kind::kCombine, 24, false, "", 0), ci = best_of(sh, Kind::kCombine, 24, false, "", 1);
+  const Best c = ci.ms < cs.ms ? ci : cs;
   const Best d0 = best_of(sh, Kind::kDispatch, 24, false, "warp"), c0 = best_of(sh, Kind::kCombine, 24, false, "warp");
   const Best pw = best_of(sh, Kind::kCopy, 1 << 30, false, "pull_warp");
   const Best cp = best_of(sh, Kind::kCopy, 1 << 30, false);
@@ -488,9 +504,16 @@ void write_json(Shared& sh, const std::string& command) {
   }
   std::printf("NCCL all-to-all (same bytes per pair, own share included): %.3f ms = %.1f GB/s of remote bytes\n", nccl_ms,
               gbps(moved, nccl_ms));
-  if (d.p) std::printf("best dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", d.p->v.name.c_str(), d.p->ctas, d.ms, gbps(moved, d.ms));
-  if (dd.p) std::printf("best dedup dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s NVLink)\n", dd.p->v.name.c_str(), dd.p->ctas, dd.ms, gbps(minimum, dd.ms));
-  if (c.p) std::printf("best combine <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", c.p->v.name.c_str(), c.p->ctas, c.ms, gbps(moved, c.ms));
+  if (dp.p) std::printf("best plain dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", dp.p->v.name.c_str(), dp.p->ctas, dp.ms, gbps(moved, dp.ms));
+  if (dd.p) std::printf("best dedup dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s NVLink, %.1f GB/s of (token, k) rows delivered)\n",
+                        dd.p->v.name.c_str(), dd.p->ctas, dd.ms, gbps(minimum, dd.ms), gbps(moved, dd.ms));
+  if (cs.p) std::printf("best combine into every slot <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", cs.p->v.name.c_str(), cs.p->ctas, cs.ms, gbps(moved, cs.ms));
+  if (ci.p) std::printf("best combine, own rows in place, <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", ci.p->v.name.c_str(), ci.p->ctas, ci.ms, gbps(moved, ci.ms));
+  if (!sh.failed) {
+    std::printf("epilogue: %.3f ms from the slots, %.3f ms with own rows in place; NCCL + epilogue %.3f ms, "
+                "best combine + its epilogue %.3f ms\n", worst(sh.epilogue_ms), worst(sh.epilogue_in_place_ms),
+                nccl_ms + worst(sh.epilogue_ms), c.ms + (c.p && c.p->v.in_place ? worst(sh.epilogue_in_place_ms) : worst(sh.epilogue_ms)));
+  }
 
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
@@ -504,14 +527,17 @@ void write_json(Shared& sh, const std::string& command) {
     << ", \"hidden\": " << shape.hidden << ", \"experts\": " << shape.experts << ", \"topk\": " << shape.topk
     << ",\n  \"routing\": \"uniform\",\n  \"ep2_measured\": " << (ep >= 2 ? "true" : "false")
     << ",\n  \"complete\": " << (sh.failed ? "false" : "true") << ",\n  \"bytes_basis\": \""
-    << (ep > 1 ? "per rank, one way, bytes that cross NVLink into (dispatch) or out of (combine) the rank; GB/s = "
-                 "those bytes / slowest rank's median time. dispatch_GBps/combine_GBps: plain variants, "
-                 "dispatch_bytes_moved. Dedup variants move dispatch_bytes_min over NVLink "
-                 "(dispatch_dedup_nvlink_GBps). Own-rank rows (self_bytes) and padding (padding_bytes) are copied "
-                 "in local HBM by dispatch/combine and NCCL, not by the plain copies"
+    << (ep > 1 ? "per rank, one way; GB/s = bytes / slowest rank's median time. dispatch_GBps, combine_GBps, "
+                 "nccl_a2a_GBps, p2p_copy_GBps: dispatch_bytes_moved (other ranks' rows, one per (token, k)) over "
+                 "the time of the fastest variant at <= 24 CTAs (dispatch_engine, combine_engine). The dedup "
+                 "dispatch moves only dispatch_bytes_min over NVLink (dispatch_nvlink_GBps) and delivers the same "
+                 "(token, k) rows; the in-place combine moves exactly dispatch_bytes_moved over NVLink and leaves the "
+                 "own rank's rows (self_bytes) in place for the epilogue (epilogue_in_place_ms). NCCL copies the own "
+                 "share locally; the plain copies move the remote bytes only"
                : "EP=1 self-copy through HBM (no NVLink); EP=2 figures not measured")
     << "\",\n  \"metrics\": {"
     << "\"dispatch_GBps\": " << fmt(gbps(moved, d.ms)) << ", \"combine_GBps\": " << fmt(gbps(moved, c.ms))
+    << ", \"dispatch_nvlink_GBps\": " << fmt(d.p ? gbps(nvlink_bytes(*d.p), d.ms) : NAN)
     << ", \"dispatch_ms\": " << fmt(d.ms) << ", \"combine_ms\": " << fmt(c.ms)
     << ", \"nccl_a2a_GBps\": " << fmt(gbps(moved, nccl_ms)) << ", \"p2p_copy_GBps\": " << fmt(gbps(moved, pw.ms))
     << ", \"comm_ctas\": " << ctas_of(d) << ", \"dispatch_bytes_moved\": " << static_cast<int64_t>(moved)
@@ -522,10 +548,15 @@ void write_json(Shared& sh, const std::string& command) {
     << ", \"copy_best_ctas\": " << ctas_of(cp) << ",\n    \"dispatch_dedup_ms\": " << fmt(dd.ms)
     << ", \"dispatch_dedup_engine\": " << name_of(dd) << ", \"dispatch_dedup_ctas\": " << ctas_of(dd)
     << ", \"dispatch_dedup_nvlink_GBps\": " << fmt(gbps(minimum, dd.ms))
+    << ", \"dispatch_plain_ms\": " << fmt(dp.ms) << ", \"dispatch_plain_engine\": " << name_of(dp)
+    << ", \"dispatch_plain_ctas\": " << ctas_of(dp) << ", \"combine_all_slots_ms\": " << fmt(cs.ms)
+    << ", \"combine_all_slots_engine\": " << name_of(cs) << ", \"combine_all_slots_ctas\": " << ctas_of(cs)
+    << ", \"combine_in_place_ms\": " << fmt(ci.ms) << ", \"combine_in_place_ctas\": " << ctas_of(ci)
     << ",\n    \"dispatch_warp_ms\": " << fmt(d0.ms) << ", \"dispatch_warp_ctas\": " << ctas_of(d0)
     << ", \"combine_warp_ms\": " << fmt(c0.ms) << ", \"combine_warp_ctas\": " << ctas_of(c0)
     << ", \"self_bytes\": " << static_cast<int64_t>(w.self * rb) << ", \"padding_bytes\": " << static_cast<int64_t>(w.padding * rb)
     << ", \"epilogue_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_ms))
+    << ", \"epilogue_in_place_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_in_place_ms))
     << ", \"schedule_ms\": " << fmt(sh.failed ? NAN : worst(sh.schedule_ms)) << "},\n  \"sweep\": [\n    " << sweep.str()
     << "]\n}]";
   std::ofstream f(sh.o.out);

@@ -13,7 +13,11 @@
 // full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
 //
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3]
-//                 [--tokens N] [--ep N] [--out bench/results/2026-11-30-forward.json]
+//                 [--tokens N] [--ep N] [--plain 0|1] [--out bench/results/2026-11-30-forward.json]
+//
+// --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
+// into every slot) at each comm count: fwd_plain_ms (the layer before the dedup fan-out and the
+// in-place combine), same bits.
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -50,6 +54,7 @@ struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
   std::vector<int> comm{8, 16, 24, 32};
   int iters = 10, warmup = 3, ep = 0;
+  bool plain = false;
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
 };
@@ -73,6 +78,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--warmup") o.warmup = std::stoi(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
+    else if (k == "--plain") o.plain = std::stoi(v) != 0;
     else if (k == "--out") o.out = v;
     else {
       std::fprintf(stderr, "bench_forward: unknown option %s\n", k.c_str());
@@ -195,15 +201,17 @@ struct Baseline {
     all_to_all(back.get(), recv_rows, recv_back.get(), send_rows, row_bytes, comm, st);
     gather_rows(state.window_local() + state.layout().slots, recv_back.get(), slot_map.get(), s.tokens * s.topk,
                 row_bytes, st);
-    state.epilogue(L.topk_w.get(), s.has_shared() ? b.shared_out.get() : nullptr, L.y.get(), st);
+    state.epilogue(L.topk_w.get(), s.has_shared() ? b.shared_out.get() : nullptr, nullptr, L.y.get(), st);
   }
 };
 
 // ---- one rank, one shape ---------------------------------------------------------------------------
 struct RankResult {
   std::map<int, double> fused_ms;  // comm CTAs -> ms
+  std::map<int, double> fused_plain_ms;  // the same with the copy modes off (--plain 1)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
+  int64_t plain_vs_fused = 0;
 };
 
 RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
@@ -234,6 +242,19 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
     ws->check();
   }
   MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
+  for (int c : o.plain ? o.comm : std::vector<int>{}) {
+    megakernel::FusedForwardOptions fo;
+    fo.comm_ctas = c;
+    fo.timeout_s = cfg.wait_timeout_s;
+    fo.dedup = fo.own_rows_in_place = false;
+    res.fused_plain_ms[c] = time_ms(o, sync, st, [&] {
+      schedule(*ws, L.topk_idx.get(), st);
+      megakernel::fused_forward(state, buf, args, w, fo, st);
+    });
+    impl.last_stream = st;
+    ws->check();
+    res.plain_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  }
 
   megakernel::StagedForwardOptions so;
   so.timeout_s = cfg.wait_timeout_s;
@@ -335,6 +356,19 @@ int main(int argc, char** argv) {
       const double ms = worst([&](const RankResult& r) { return r.fused_ms.at(c); });
       sweep << (sweep.tellp() > 0 ? ", " : "") << "\"fwd_ms_comm" << c << "\": " << fmt(ms);
       if (ms < best) best = ms, best_comm = c;
+    }
+    double best_plain = 0;
+    for (int c : o.plain ? o.comm : std::vector<int>{}) {
+      const double ms = worst([&](const RankResult& r) { return r.fused_plain_ms.at(c); });
+      sweep << ", \"fwd_plain_ms_comm" << c << "\": " << fmt(ms);
+      if (best_plain == 0 || ms < best_plain) best_plain = ms;
+    }
+    bool ps = true;
+    for (const auto& r : res[i]) ps &= r.plain_vs_fused == 0;
+    if (o.plain) {
+      sweep << ", \"fwd_plain_ms\": " << fmt(best_plain) << ", \"plain_equals_fused\": " << (ps ? "true" : "false");
+      std::printf("%-7s copy modes off (plain dispatch, all-slots combine): best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), best_plain, ps ? "yes" : "NO");
     }
     const double flops = megakernel::forward_flops(s);
     const double staged = worst([](const RankResult& r) { return r.staged_ms; });

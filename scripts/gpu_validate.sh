@@ -6,6 +6,8 @@
 #   scripts/gpu_validate.sh run     # GPU machine, repo root (MOK_COMMIT=<commit> recommended)
 #   BENCH=1 scripts/gpu_validate.sh run   # also the dsv3 forward and comm benchmarks on every GPU
 #                                         # (the scale-out run of issue 5 on a 4- or 8-GPU machine)
+#   ONLY="test_comm bench_comm" scripts/gpu_validate.sh run   # only the named steps
+#   BENCH_FORWARD_ARGS / BENCH_COMM_ARGS replace the benchmarks' default arguments (--out is added)
 #
 # `run` writes summary.log and logs.tgz (one log per step) under $OUT and prints the summary last.
 set -uo pipefail
@@ -29,6 +31,7 @@ STEPS=()
 FAILED=0
 step() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   local t0=$(date +%s)
   timeout --kill-after=5 $limit "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
@@ -62,8 +65,8 @@ run() {
   step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
   if [ "${BENCH:-0}" = 1 ]; then
-    step bench_forward  240 $BIN/bench_forward --shapes dsv3 --comm 8,12,16,24 --out "$OUT/forward.json"
-    step bench_comm     120 $BIN/bench_comm --ctas 8,16,24,32 --out "$OUT/comm.json"
+    step bench_forward  300 $BIN/bench_forward ${BENCH_FORWARD_ARGS:---shapes dsv3 --comm 8,12,16,24} --out "$OUT/forward.json"
+    step bench_comm     180 $BIN/bench_comm ${BENCH_COMM_ARGS:---ctas 8,16,24,32} --out "$OUT/comm.json"
   fi
   echo "==== summary ($NGPU GPU(s); logs in \$OUT/logs.tgz) ===="
   cat "$OUT/summary.log"

@@ -82,7 +82,7 @@ void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
   launch_dispatch(dispatch_launch(ctas, dedup), stream);
 }
 
-CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas) {
+CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place) {
   CombineLaunch l;
   l.role.peers = peers();
   l.role.slots_offset = layout_.slots;
@@ -91,18 +91,19 @@ CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int cta
   l.role.header = schedule_->header.get();
   l.role.rows = schedule_->rows.get();
   l.role.expert_out = reinterpret_cast<const char*>(expert_out);
+  l.role.own_rows_in_place = own_rows_in_place;
   l.role.wait = wait_context();
   l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
   l.ctas = ctas;
   return l;
 }
 
-void CommState::combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream) {
-  launch_combine(combine_launch(expert_out, ctas), stream);
+void CommState::combine(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place, cudaStream_t stream) {
+  launch_combine(combine_launch(expert_out, ctas, own_rows_in_place), stream);
 }
 
-void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, __nv_bfloat16* y,
-                         cudaStream_t stream) {
+void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
+                         __nv_bfloat16* y, cudaStream_t stream) {
   EpilogueRole r;
   r.slots = reinterpret_cast<const char*>(slots());
   r.topk_w = topk_w;
@@ -111,6 +112,10 @@ void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, _
   r.tokens = shape_.tokens;
   r.hidden = shape_.hidden;
   r.topk = shape_.topk;
+  if (own_rows != nullptr) {
+    r.own_dest_row = schedule_->dest_row.get() + static_cast<int64_t>(rank()) * shape_.tokens * shape_.topk;
+    r.expert_out = reinterpret_cast<const char*>(own_rows);
+  }
   launch_epilogue(r, stream);
 }
 

@@ -45,11 +45,14 @@ class CommState {
   // engine or split (tests, benchmarks) before launch_dispatch/launch_combine. Each consumes
   // one barrier epoch: launch it exactly once, on every rank.
   DispatchLaunch dispatch_launch(int ctas, bool dedup);
-  CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas);
-  // Push expert_out [buffer_rows, H] rows to their slots, then barrier.
-  void combine(const __nv_bfloat16* expert_out, int ctas, cudaStream_t stream);
-  // y = bf16(fmaf chain over k), after combine.
-  void epilogue(const float* topk_w, const __nv_bfloat16* shared_out, __nv_bfloat16* y, cudaStream_t stream);
+  CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place);
+  // Push expert_out [buffer_rows, H] rows to their slots, then barrier. own_rows_in_place: only
+  // the rows of other ranks' tokens move; the epilogue must then be given the same expert_out.
+  void combine(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place, cudaStream_t stream);
+  // y = bf16(fmaf chain over k), after combine. own_rows: the expert_out of an in-place combine
+  // (the own rank's (t, k) rows are read there), nullptr when combine filled every slot.
+  void epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
+                __nv_bfloat16* y, cudaStream_t stream);
   // Synchronises `stream`, returns (and clears) the first device-side error.
   std::optional<Error> take_error(cudaStream_t stream);
 

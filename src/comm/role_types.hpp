@@ -58,22 +58,25 @@ struct DispatchRole {
   const RowEntry* rows = nullptr;
   char* row_buffer = nullptr;       // [buffer_rows, H] bf16, local
   uint32_t* ready = nullptr;        // [max_minibatches] +1 per finished row tile (zeroed before)
-  uint32_t* tile_done = nullptr;    // [buffer_rows / kRowTile] (zeroed before): kWarp+dedup: first-occurrence
-                                    // rows landed; kHybrid/kBulk: rows landed in the tile (published at kRowTile)
+  uint32_t* tile_done = nullptr;    // [buffer_rows / kRowTile] (zeroed before): dedup and kHybrid/kBulk: rows
+                                    // landed in the tile (published at kRowTile); kWarp split: groups done
   int64_t tiles_per_minibatch = 1;
-  bool dedup = false;               // pull each (token, rank) once, copy the other rows locally
+  // Read each (token, rank) once (over NVLink for other ranks' tokens) and store it from
+  // registers to every row of that token on this rank (kWarp: fan-out from the token's first
+  // row, needs dest_row/tokens/topk below). Same bytes as the plain pull.
+  bool dedup = false;
   WaitContext wait;
   // ---- added for the bulk engines (defaults keep the original behaviour) ----
   CopyEngine engine = CopyEngine::kWarp;
   // kBulk + dedup: each token's first row is pulled once into shared memory and stored from there
   // to every row of that token on this rank (its other rows are never read back from HBM).
-  // Needs the schedule's dest_row; without it (nullptr) kBulk + dedup pulls every row.
+  // Needs the schedule's dest_row; without it (nullptr) kBulk + dedup pulls every row (kWarp + dedup requires it).
   const int32_t* dest_row = nullptr;  // ScheduleView::dest_row [ep*T*K]
   int64_t tokens = 0;                 // T per rank
   int topk = 0;                       // K
-  // kWarp without dedup: CTA split (kRemoteCtasAuto etc. above). Off by default: as a pull the
-  // link needs ~16 CTAs, too many to leave enough for the local rows at <= 24 (docs/comm.md).
-  // The split completes a tile in two CTAs: tile_done counts them (zeroed before, like ready).
+  // kWarp: CTA split (kRemoteCtasAuto etc. above). Off by default: as a plain pull the link
+  // needs ~16 CTAs, too many to leave enough for the local rows at <= 24 (docs/comm.md).
+  // Without dedup the split completes a tile in two CTAs: tile_done counts them (zeroed before).
   int32_t remote_ctas = 0;
 };
 
@@ -90,6 +93,10 @@ struct CombineRole {
   WaitContext wait;
   CopyEngine engine = CopyEngine::kWarp;  // added; see CopyEngine
   int32_t remote_ctas = kRemoteCtasAuto;  // kWarp: CTA split (see kRemoteCtasAuto); 0 = off
+  // kWarp: push only the rows of other ranks' tokens (every CTA, no split); the own rank's
+  // (token, k) rows stay in expert_out and the epilogue reads them there (EpilogueRole::
+  // own_dest_row): the same bytes reach y, 472 MB less copying at DeepSeek-V3 EP=2.
+  bool own_rows_in_place = false;
 };
 
 struct EpilogueRole {
@@ -99,6 +106,11 @@ struct EpilogueRole {
   __nv_bfloat16* y = nullptr;              // [T, H]
   int64_t tokens = 0, hidden = 0;
   int topk = 1;
+  // Combine with own_rows_in_place: entry (t, k) of a token whose expert this rank owns is read
+  // from row own_dest_row[t*K+k] of expert_out instead of its slot (nullptr: every entry from
+  // the slots).
+  const int32_t* own_dest_row = nullptr;   // ScheduleView::dest_row + rank*T*K
+  const char* expert_out = nullptr;        // [buffer_rows, H] bf16 (GEMM 2 output)
 };
 
 // ---- shared memory of the bulk engines ------------------------------------------------------

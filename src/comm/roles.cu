@@ -15,13 +15,13 @@ using Cta = CommCtaConfig;
 // One kernel per engine, so that each gets its own register allocation (the kWarp copy loop
 // keeps its 16 vectors per lane without spills). smem_bytes: dynamic shared memory of the bulk
 // engines (role_smem_bytes), 0 for kWarp.
-template <CopyEngine E>
+template <CopyEngine E, bool kDedup = false>
 __global__ void __launch_bounds__(Cta::kThreads, 1)
     dispatch_kernel(const DispatchRole role, const GroupBarrier start, uint32_t smem_bytes) {
   extern __shared__ __align__(128) char smem[];
   if (!group_barrier(start, gridDim.x, role.peers, role.wait)) return;
   if constexpr (E == CopyEngine::kWarp) {
-    dispatch_pull(role, blockIdx.x, gridDim.x);
+    dispatch_pull<kDedup>(role, blockIdx.x, gridDim.x);
   } else {
     dispatch_pull_bulk<E>(role, blockIdx.x, gridDim.x, smem, smem_bytes);
   }
@@ -106,7 +106,12 @@ void launch_dispatch(const DispatchLaunch& l, cudaStream_t stream) {
       dispatch_kernel<CopyEngine::kBulk><<<l.ctas, Cta::kThreads, smem, stream>>>(l.role, l.start, smem);
       break;
     }
-    default: dispatch_kernel<CopyEngine::kWarp><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start, 0);
+    default:
+      if (l.role.dedup) {
+        dispatch_kernel<CopyEngine::kWarp, true><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start, 0);
+      } else {
+        dispatch_kernel<CopyEngine::kWarp, false><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start, 0);
+      }
   }
   MOK_CUDA_CHECK(cudaGetLastError());
 }

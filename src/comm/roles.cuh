@@ -136,6 +136,8 @@ __device__ __forceinline__ bool in_row_set(RowSet set, const RowEntry& e, int ra
   const bool remote = e.src_rank >= 0 && e.src_rank != rank;
   return set == RowSet::kAll || (set == RowSet::kRemote) == remote;
 }
+// Rows a dedup (fan-out) dispatch starts from: padding, and each token's first row on this rank.
+__device__ __forceinline__ bool is_fan_source(const RowEntry& e) { return e.src_rank < 0 || e.copy_from < 0; }
 
 // A warp's rows of one tile: lane j holds the warp's j-th row (entry, row within the tile),
 // `count` (warp-uniform) of them. The picked rows of the tile in increasing order go round-robin
@@ -148,8 +150,10 @@ struct WarpRows {
 
 // kAll (every row; `set` is ignored): one batched load of the warp's rows, and with a warp
 // count that divides kRowTile a compile-time row count (the loops then compile as the original).
+// first_only (with !kAll): only the fan-out sources of the set (is_fan_source).
 template <class Shape, bool kAll>
-__device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, RowSet set, int rank, int warp, int lane) {
+__device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, RowSet set, int rank, int warp, int lane,
+                                          bool first_only = false) {
   constexpr int W = Shape::kWarps;
   WarpRows w;
   if constexpr (kAll) {
@@ -168,7 +172,7 @@ __device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, Ro
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     ent[q] = rows[tile * kRowTile + q * 32 + lane];
-    mask[q] = __ballot_sync(0xffffffffu, in_row_set(set, ent[q], rank));
+    mask[q] = __ballot_sync(0xffffffffu, in_row_set(set, ent[q], rank) && (!first_only || is_fan_source(ent[q])));
     before[q + 1] = before[q] + __popc(mask[q]);
   }
   const int picked = before[4];
@@ -231,69 +235,44 @@ __device__ inline CtaGroup cta_group(int requested, int ep, int cta, int nctas) 
 
 // ---- dispatch ------------------------------------------------------------------------------
 
-// The warp's rows of `tile` in one pass. first_pass: padding, and every row (plain) or the
-// first-occurrence rows (dedup); otherwise the dedup copies of earlier rows (one at a time: each
-// may wait for its source tile). Row loops have compile-time bounds (guards inside), so that
-// the standalone shape (one row at a time) compiles to the original unrolled loop: a runtime
-// bound cost the 16-warp dispatch ~1.7x (measured, v3 run 1).
+// The warp's rows of `tile` (plain pull: every row is loaded from its source rank's x, padding
+// rows zeroed). Row loops have compile-time bounds (guards inside), so that the standalone shape
+// (one row at a time) compiles to the original unrolled loop: a runtime bound cost the 16-warp
+// dispatch ~1.7x (measured, v3 run 1).
 template <class Shape>
-__device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const WarpRows& mine, bool first_pass,
-                                     int lane) {
+__device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const WarpRows& mine, int lane) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
   const int64_t vecs = r.row_bytes / 16;
-  if (first_pass) {
-    if constexpr (R == 1) {
-      for (int j = 0; j < Shape::kRowsPerWarp; ++j) {
-        if (j >= mine.count) break;  // warp-uniform
-        const RowEntry e = shfl_entry(mine.e, j);
-        const int in_tile = __shfl_sync(0xffffffffu, mine.row, j);
-        int4* dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
-        const bool local_copy = r.dedup && e.copy_from >= 0;
-        if (e.src_rank < 0) {
-          warp_zero(dst, vecs, lane);
-        } else if (!local_copy) {
-          const char* src = r.peers.base[e.src_rank] + r.x_offset + static_cast<int64_t>(e.token) * r.row_bytes;
-          warp_copy<V>(dst, reinterpret_cast<const int4*>(src), vecs, lane, StableLoad{});
-        }
+  if constexpr (R == 1) {
+    for (int j = 0; j < Shape::kRowsPerWarp; ++j) {
+      if (j >= mine.count) break;  // warp-uniform
+      const RowEntry e = shfl_entry(mine.e, j);
+      const int in_tile = __shfl_sync(0xffffffffu, mine.row, j);
+      int4* dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
+      if (e.src_rank < 0) {
+        warp_zero(dst, vecs, lane);
+      } else {
+        const char* src = r.peers.base[e.src_rank] + r.x_offset + static_cast<int64_t>(e.token) * r.row_bytes;
+        warp_copy<V>(dst, reinterpret_cast<const int4*>(src), vecs, lane, StableLoad{});
       }
-    } else {
-      for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
-        RowCopy job[R];
+    }
+  } else {
+    for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
+      RowCopy job[R];
 #pragma unroll
-        for (int q = 0; q < R; ++q) {
-          const int j = j0 + q;
-          const RowEntry e = shfl_entry(mine.e, j % 32);
-          const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
-          const bool local_copy = r.dedup && e.copy_from >= 0;
-          if (j < mine.count && !(e.src_rank >= 0 && local_copy)) {  // warp-uniform
-            job[q].dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
-            if (e.src_rank >= 0) {  // padding rows stay nullptr: zeroed
-              job[q].src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
-                                                         static_cast<int64_t>(e.token) * r.row_bytes);
-            }
+      for (int q = 0; q < R; ++q) {
+        const int j = j0 + q;
+        const RowEntry e = shfl_entry(mine.e, j % 32);
+        const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
+        if (j < mine.count) {  // warp-uniform
+          job[q].dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
+          if (e.src_rank >= 0) {  // padding rows stay nullptr: zeroed
+            job[q].src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
+                                                       static_cast<int64_t>(e.token) * r.row_bytes);
           }
         }
-        warp_copy_rows<R, V>(job, vecs, lane, StableLoad{});
       }
-    }
-    return;
-  }
-  for (int j = 0; j < Shape::kRowsPerWarp; ++j) {
-    if (j >= mine.count) break;
-    const RowEntry e = shfl_entry(mine.e, j);
-    const int in_tile = __shfl_sync(0xffffffffu, mine.row, j);
-    if (!(r.dedup && e.src_rank >= 0 && e.copy_from >= 0)) continue;
-    const int64_t src_tile = e.copy_from / kRowTile;
-    bool ok = true;
-    if (src_tile != tile) {  // same tile: the first pass and the bar.sync already ordered it
-      if (lane == 0) ok = wait_geq<Scope::kGpu>(r.tile_done + src_tile, 1u, WaitSite::kDispatchTile, r.wait);
-      ok = __shfl_sync(0xffffffffu, ok, 0);
-      __syncwarp();  // NOTE: orders the other lanes' loads after lane 0's acquire
-    }
-    if (ok) {
-      int4* dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
-      const char* src = r.row_buffer + static_cast<int64_t>(e.copy_from) * r.row_bytes;
-      warp_copy<V>(dst, reinterpret_cast<const int4*>(src), vecs, lane, FreshLoad{});
+      warp_copy_rows<R, V>(job, vecs, lane, StableLoad{});
     }
   }
 }
@@ -311,42 +290,150 @@ __device__ inline void publish_dispatch_tile(const DispatchRole& r, int64_t tile
   fetch_add_release<Scope::kGpu>(r.ready + tile / r.tiles_per_minibatch, 1u);
 }
 
-// Call after the phase barrier that follows the staging of x on every rank. Every thread of the
-// CTA (Shape::kWarps warps). With dedup the split is off (tile_done holds the dedup flags).
+// Plain pull. Call after the phase barrier that follows the staging of x on every rank. Every
+// thread of the CTA (Shape::kWarps warps).
 template <class Shape, bool kAll>
 __device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) {
   const int64_t tiles = r.header->padded_rows / kRowTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
     const WarpRows mine = warp_tile_rows<Shape, kAll>(r.rows, tile, g.set, r.peers.rank, warp, lane);
-    dispatch_rows<Shape>(r, tile, mine, true, lane);
+    dispatch_rows<Shape>(r, tile, mine, lane);
     __syncthreads();
-    if (r.dedup) {
-      if (threadIdx.x == 0) {
-        __threadfence();  // NOTE: the CTA's row stores (ordered by bar.sync) before the flag
-        store_release<Scope::kGpu>(r.tile_done + tile, 1u);
-      }
-      dispatch_rows<Shape>(r, tile, mine, false, lane);
-      __syncthreads();
-    }
     if (threadIdx.x == 0) publish_dispatch_tile(r, tile, g.split);
   }
 }
 
+// ---- dedup dispatch: one read per (token, rank), fanned out to every row of the token ------
+
+// A fan-out source row and its destinations. Padding: itself, zeroed. A token's first row on
+// this rank: every row of that token here (dest_row of its K entries, itself included), so
+// the token's row crosses NVLink (or is read from own x) once and is stored K_r times from
+// registers; nothing is read back from HBM and no tile waits for another.
+struct FanRow {
+  const int4* src = nullptr;  // nullptr: zero row
+  int32_t dest = -1;          // lane d: the d-th destination row in this rank's buffer, or -1
+  uint32_t mask = 0;          // lanes holding a destination (warp-uniform)
+};
+
+__device__ inline FanRow fan_row(const DispatchRole& r, const RowEntry& e, int64_t row, int lane) {
+  FanRow f;
+  if (e.src_rank < 0) {
+    f.dest = lane == 0 ? static_cast<int32_t>(row) : -1;
+  } else {
+    f.src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
+                                          static_cast<int64_t>(e.token) * r.row_bytes);
+    if (lane < r.topk) f.dest = r.dest_row[(static_cast<int64_t>(e.src_rank) * r.tokens + e.token) * r.topk + lane];
+  }
+  f.mask = __ballot_sync(0xffffffffu, f.dest >= 0);
+  return f;
+}
+
+// One warp: R source rows at once, V vectors of each per lane in flight, each stored to all of
+// its destinations.
+template <int R, int V, class Load>
+__device__ __forceinline__ void warp_fanout_rows(const FanRow (&job)[R], char* buffer, int64_t row_bytes, int lane,
+                                                 Load load) {
+  const int64_t vecs = row_bytes / 16;
+  for (int64_t base = lane; base < vecs; base += 32 * V) {
+    int4 v[R][V];
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        v[q][u] = make_int4(0, 0, 0, 0);
+        if (job[q].src != nullptr && base + u * 32 < vecs) v[q][u] = load(job[q].src + base + u * 32);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      for (uint32_t m = job[q].mask; m != 0; m &= m - 1) {  // warp-uniform
+        const int32_t row = __shfl_sync(0xffffffffu, job[q].dest, __ffs(m) - 1);
+        int4* dst = reinterpret_cast<int4*>(buffer + static_cast<int64_t>(row) * row_bytes);
+#pragma unroll
+        for (int u = 0; u < V; ++u) {
+          if (base + u * 32 < vecs) store_vec(dst + base + u * 32, v[q][u]);
+        }
+      }
+    }
+  }
+}
+
+// One finished row: tile_done counts the rows of its tile; whoever lands the tile's last row
+// raises the minibatch's ready counter. Call after __threadfence() that follows the row's
+// stores (and a __syncwarp, which orders the other lanes' stores before that fence).
+__device__ inline void count_dispatched_row(const DispatchRole& r, int64_t row) {
+  const int64_t tile = row / kRowTile;
+  if (atomicAdd(r.tile_done + tile, 1u) == static_cast<uint32_t>(kRowTile) - 1) {
+    __threadfence();  // NOTE: acquire the other writers' counts (relaxed RMW + fence), then release the tile
+    fetch_add_release<Scope::kGpu>(r.ready + tile / r.tiles_per_minibatch, 1u);
+  }
+}
+
+// Tiles in increasing order: a token's first row sits in its lowest local expert, so every row
+// of minibatch m is written by a source in a tile of m or earlier and the minibatches still
+// complete in order. No CTA barrier: each warp publishes its own rows once per tile.
+template <class Shape>
+__device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGroup& g) {
+  constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
+  const int64_t tiles = r.header->padded_rows / kRowTile;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
+    const WarpRows mine = warp_tile_rows<Shape, false>(r.rows, tile, g.set, r.peers.rank, warp, lane, true);
+    for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
+      if (j0 >= mine.count) break;  // warp-uniform
+      FanRow job[R];
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const int j = j0 + q;
+        const RowEntry e = shfl_entry(mine.e, j % 32);
+        const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
+        if (j < mine.count) job[q] = fan_row(r, e, tile * kRowTile + in_tile, lane);  // warp-uniform
+      }
+      warp_fanout_rows<R, V>(job, r.row_buffer, r.row_bytes, lane, StableLoad{});
+    }
+    if (mine.count == 0) continue;
+    __syncwarp();
+    __threadfence();  // NOTE: every lane's row stores (ordered by the bar.warp.sync) before the counts
+    for (int j = 0; j < Shape::kRowsPerWarp; ++j) {
+      if (j >= mine.count) break;
+      const RowEntry e = shfl_entry(mine.e, j);
+      const int in_tile = __shfl_sync(0xffffffffu, mine.row, j);
+      const FanRow f = fan_row(r, e, tile * kRowTile + in_tile, lane);
+      if (f.dest >= 0) count_dispatched_row(r, f.dest);
+    }
+  }
+}
+
+// Plain (dedup off): every row is pulled from its source; optional remote / own CTA split.
+// Dedup: fan-out from each token's first row (remote / own split allowed as well). Both give
+// identical bytes and identical ready counters.
 template <class Shape>
 __device__ inline void dispatch_pull_warps(const DispatchRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
-  const CtaGroup g = cta_group(r.dedup ? 0 : r.remote_ctas, r.peers.ep, cta, nctas);
-  if (g.set == RowSet::kAll) {
+  const CtaGroup g = cta_group(r.remote_ctas, r.peers.ep, cta, nctas);
+  if (r.dedup) {
+    dispatch_fanout_tiles<Shape>(r, g);
+  } else if (g.set == RowSet::kAll) {
     dispatch_tiles<Shape, true>(r, g);
   } else {
     dispatch_tiles<Shape, false>(r, g);
   }
 }
 
-// The standalone shape (512-thread CTAs).
+// The standalone shape (512-thread CTAs); kDedup must equal r.dedup. One kernel per mode, so
+// that each copy loop gets the whole 128-register budget (together they spill).
+template <bool kDedup>
 __device__ inline void dispatch_pull(const DispatchRole& r, int cta, int nctas) {
-  dispatch_pull_warps<StandaloneWarps>(r, cta, nctas);
+  if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
+  const CtaGroup g = cta_group(r.remote_ctas, r.peers.ep, cta, nctas);
+  if constexpr (kDedup) {
+    dispatch_fanout_tiles<StandaloneWarps>(r, g);
+  } else if (g.set == RowSet::kAll) {
+    dispatch_tiles<StandaloneWarps, true>(r, g);
+  } else {
+    dispatch_tiles<StandaloneWarps, false>(r, g);
+  }
 }
 
 // GEMM side: thread 0 of a consumer CTA waits for minibatch m's rows; true when they landed.
@@ -402,6 +489,10 @@ __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
 template <class Shape>
 __device__ inline void combine_push_warps(const CombineRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
+  if (r.own_rows_in_place) {
+    if (r.peers.ep > 1) combine_tiles<Shape>(r, CtaGroup{RowSet::kRemote, cta, nctas, false});
+    return;
+  }
   combine_tiles<Shape>(r, cta_group(r.remote_ctas, r.peers.ep, cta, nctas));
 }
 
@@ -429,7 +520,12 @@ __device__ inline void topk_sum_epilogue(const EpilogueRole& r, int64_t first_th
     }
     for (int k = 0; k < r.topk; ++k) {  // fixed order 0..K-1 (numerics contract)
       const float w = r.topk_w[t * r.topk + k];
-      const int4 v = load_fresh(reinterpret_cast<const int4*>(r.slots) + (t * r.topk + k) * row_vecs + c);
+      const int4* src = reinterpret_cast<const int4*>(r.slots) + (t * r.topk + k) * row_vecs;
+      if (r.own_dest_row != nullptr) {
+        const int32_t row = r.own_dest_row[t * r.topk + k];
+        if (row >= 0) src = reinterpret_cast<const int4*>(r.expert_out) + row * row_vecs;
+      }
+      const int4 v = load_fresh(src + c);
       const __nv_bfloat16* vb = reinterpret_cast<const __nv_bfloat16*>(&v);
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, __bfloat162float(vb[j]), acc[j]);

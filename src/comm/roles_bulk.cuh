@@ -498,7 +498,7 @@ __device__ inline void dispatch_pull_bulk(const DispatchRole& r, int cta, int nc
   static_assert(E != CopyEngine::kWarp, "kWarp: dispatch_pull(role, cta, nctas)");
   const BulkLayout lay = dispatch_bulk_layout(r, bulk_usable(smem_bytes));
   if (smem == nullptr || lay.bytes == 0) {
-    dispatch_pull(r, cta, nctas);
+    dispatch_pull_warps<StandaloneWarps>(r, cta, nctas);
     return;
   }
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule (uniform)
@@ -524,7 +524,7 @@ __device__ inline void dispatch_pull(const DispatchRole& r, int cta, int nctas, 
   switch (r.engine) {
     case CopyEngine::kHybrid: dispatch_pull_bulk<CopyEngine::kHybrid>(r, cta, nctas, smem, smem_bytes); break;
     case CopyEngine::kBulk: dispatch_pull_bulk<CopyEngine::kBulk>(r, cta, nctas, smem, smem_bytes); break;
-    default: dispatch_pull(r, cta, nctas);
+    default: dispatch_pull_warps<StandaloneWarps>(r, cta, nctas);
   }
 }
 

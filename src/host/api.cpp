@@ -54,6 +54,8 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
+    options.dedup = impl.dispatch_dedup;
+    options.own_rows_in_place = impl.combine_in_place;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;
@@ -61,6 +63,8 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.combine_ctas = options.dispatch_ctas;
     options.gemm_grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
+    options.dedup = impl.dispatch_dedup;
+    options.own_rows_in_place = impl.combine_in_place;
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);
   }
   impl.last_stream = stream;

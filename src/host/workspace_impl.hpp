@@ -26,6 +26,10 @@ struct Workspace::Impl {
   // Which forward mok::forward runs: the fused kernel (default) or the staged launches
   // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
   megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;
+  // Copy modes of both paths (same bytes either way; tests and benches switch them off to
+  // compare): dedup fan-out dispatch, combine with the own rank's rows read in place.
+  bool dispatch_dedup = true;
+  bool combine_in_place = true;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

@@ -4,8 +4,10 @@
 // over the warp count (comm::WarpShape): same code, bytes, memory ordering and CTA split
 // (role.remote_ctas) as the standalone kernels; only the copy shape differs.
 //
-//   dispatch_rows_pull   row buffer <- owners' x over NVLink, padding rows zeroed, ready[m] += 1 per tile
-//   combine_rows_push    each real row -> slot (token, k) of its source rank, once GEMM 2 published the tile
+//   dispatch_rows_pull   row buffer <- owners' x over NVLink (dedup: once per (token, rank), fanned
+//                        out to the token's rows), padding rows zeroed, ready[m] += 1 per tile
+//   combine_rows_push    each real row (own_rows_in_place: of another rank's token) -> slot (token, k)
+//                        of its source rank, once GEMM 2 published the tile
 #pragma once
 
 #include <cstdint>
@@ -42,8 +44,8 @@ __device__ inline bool group_barrier_all(const comm::GroupBarrier& gb, uint32_t 
 template <int Warps>
 using FusedWarps = comm::WarpShape<Warps, 3, 8>;
 
-// Plain pull dispatch (no dedup). Call after the group barrier that follows the staging of x
-// on every rank; ready[m] += 1 per finished row tile.
+// Pull dispatch (plain, or dedup fan-out: role.dedup). Call after the group barrier that follows
+// the staging of x on every rank; ready[m] += 1 per finished row tile.
 template <int Warps>
 __device__ inline void dispatch_rows_pull(const comm::DispatchRole& r, int cta, int nctas) {
   comm::dispatch_pull_warps<FusedWarps<Warps>>(r, cta, nctas);

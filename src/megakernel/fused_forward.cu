@@ -191,7 +191,10 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   d.ready = state.ready_counters();
   d.tile_done = state.tile_flags();
   d.tiles_per_minibatch = p.view.minibatch / kRowTile;
-  d.dedup = false;  // the fused dispatch pulls every row (fused_comm.cuh)
+  d.dedup = o.dedup;  // fan-out: no waits on other tiles, so it is safe beside the GEMM CTAs
+  d.dest_row = p.view.dest_row;
+  d.tokens = s.tokens;
+  d.topk = s.topk;
   d.wait = p.wait;
 
   comm::CombineRole& c = p.combine;  // as CommState::combine, gated per row tile by GEMM 2
@@ -204,6 +207,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   c.expert_out = reinterpret_cast<const char*>(b.expert_out.get());
   c.out_ready = p.g2_done;
   c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
+  c.own_rows_in_place = o.own_rows_in_place;
   c.wait = p.wait;
   // Barrier epochs in the order every rank issues them.
   p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};
@@ -231,14 +235,15 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
   convert_segments(state, b, stream);
   state.stage_x(args.x, stream);
-  const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + dedup tile flags
+  const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
   const FusedForwardParams p = make_params(state, b, args, w, o);
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
   const LayerShape& s = state.shape();
-  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, args.y, stream);
+  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
+                 o.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
   poison_y_on_error(state, args.y, stream);
 }
 

@@ -28,6 +28,8 @@ struct FusedForwardOptions {
   int comm_ctas = 16;       // Config::comm_sms_forward
   int grid = 0;             // Config::grid_sms; 0 = every SM. Must leave >= 1 GEMM CTA.
   double timeout_s = 10.0;  // Config::wait_timeout_s
+  bool dedup = true;              // dispatch: each (token, rank) read once and fanned out (same bytes)
+  bool own_rows_in_place = true;  // combine: only other ranks' rows move; the epilogue reads own ones in place
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

@@ -2,7 +2,7 @@
 // GPU schedule bitwise equal to mok::ref::make_schedule, dispatch / combine / epilogue bitwise
 // equal to the bytes the reference schedule predicts, for every comm-CTA count and dispatch
 // mode (knob invariance), repeated runs identical. EP=n cases skip with fewer than n GPUs.
-// CommEngines: every copy engine (CopyEngine: hybrid, bulk, bulk dedup fan-out, the kWarp CTA split) and CTA count
+// CommEngines: every copy engine (CopyEngine: hybrid, bulk, bulk dedup fan-out, the kWarp CTA split and dedup fan-out) and CTA count
 // gives the same bytes, and the ready counters end at exactly the tiles of each minibatch.
 #include <atomic>
 
@@ -93,6 +93,9 @@ const std::vector<EngineVariant>& engine_dispatch_variants() {
   static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
                                             {E::kBulk, false, 1},    {E::kBulk, true, 16},    {E::kBulk, true, 5},
                                             {E::kHybrid, true, 7},
+                                            // kWarp dedup fan-out, unsplit and split
+                                            {E::kWarp, true, 16, 0}, {E::kWarp, true, 1, 0}, {E::kWarp, true, 7, 3},
+                                            {E::kWarp, true, 2, comm::kRemoteCtasAuto}, {E::kWarp, true, 24, 16},
                                             // kWarp CTA split: remote rows on CTAs [0, R), own rows and padding on the rest
                                             {E::kWarp, false, 16, 5},  {E::kWarp, false, 3, 1},
                                             {E::kWarp, false, 2, comm::kRemoteCtasAuto}, {E::kWarp, false, 7, 6}};
@@ -177,7 +180,7 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
     MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
-    comm::CombineLaunch l = st.combine_launch(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), v.ctas);
+    comm::CombineLaunch l = st.combine_launch(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), v.ctas, false);
     l.role.engine = v.engine;
     l.role.remote_ctas = v.remote_ctas;
     comm::launch_combine(l, stream);

@@ -125,7 +125,7 @@ TEST(CommErrors, CapacityOverflowIsAnErrorNotAHang) {
     expect_poisoned(o, "capacity overflow");
     comm::DeviceBuffer<uint16_t> expert_out(st.schedule_buffers().buffer_rows * s.hidden);
     st.dispatch(2, false, stream);  // both roles skip a poisoned schedule, barriers still pass
-    st.combine(reinterpret_cast<const __nv_bfloat16*>(expert_out.get()), 2, stream);
+    st.combine(reinterpret_cast<const __nv_bfloat16*>(expert_out.get()), 2, true, stream);
     ws->check();
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
@@ -150,7 +150,7 @@ TEST(CommErrors, CapacityOverflowOnTwoRanks) {
     expect_error(*ws, Status::kCapacityOverflow, {"rank 0 receives " + std::to_string(2 * s.tokens * s.topk)});
     comm::DeviceBuffer<uint16_t> expert_out(st.schedule_buffers().buffer_rows * s.hidden);
     st.dispatch(4, true, stream);
-    st.combine(reinterpret_cast<const __nv_bfloat16*>(expert_out.get()), 4, stream);
+    st.combine(reinterpret_cast<const __nv_bfloat16*>(expert_out.get()), 4, true, stream);
     ws->check();
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     pool.barrier();

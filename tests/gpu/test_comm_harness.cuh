@@ -193,8 +193,15 @@ inline const std::vector<DispatchVariant>& dispatch_variants() {
   static const std::vector<DispatchVariant> v{{16, false}, {16, true}, {1, true}, {3, false}, {5, true}};
   return v;
 }
-inline const std::vector<int>& combine_variants() {
-  static const std::vector<int> v{16, 1, 7};
+// own_rows_in_place: only other ranks' rows are pushed (own-rank slots must stay poisoned) and
+// the epilogue reads the own rows from expert_out. Each combine variant is followed by an
+// epilogue in its mode.
+struct CombineVariant {
+  int ctas;
+  bool own_rows_in_place;
+};
+inline const std::vector<CombineVariant>& combine_variants() {
+  static const std::vector<CombineVariant> v{{16, false}, {1, false}, {7, true}, {1, true}, {16, true}};
   return v;
 }
 
@@ -211,7 +218,8 @@ struct RankOutputs {
   std::vector<int32_t> dest;
   std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant: [padded_rows, H]
   std::vector<std::vector<uint16_t>> slots;       // per combine variant: [T, K, H]
-  std::vector<uint16_t> y, y_again;
+  std::vector<std::vector<uint16_t>> ys;          // per combine variant: the epilogue's y after it
+  std::vector<uint16_t> y_again;                  // the last variant's epilogue, run again
 };
 
 inline RankInputs make_inputs(const CommCase& c, const std::vector<std::vector<int32_t>>& routing, int rank) {
@@ -304,22 +312,25 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t 
     out.dispatched.push_back(download(reinterpret_cast<const uint16_t*>(st.row_buffer()), padded * s.hidden));
   }
   const size_t slot_elems = static_cast<size_t>(s.tokens) * s.topk * s.hidden;
-  for (int ctas : combine_variants()) {
+  const __nv_bfloat16* shared = c.with_shared ? reinterpret_cast<const __nv_bfloat16*>(d_shared.get()) : nullptr;
+  const auto* expert_out = reinterpret_cast<const __nv_bfloat16*>(d_out.get());
+  auto* y = reinterpret_cast<__nv_bfloat16*>(d_y.get());
+  for (const CombineVariant& v : combine_variants()) {
     MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
-    st.combine(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), ctas, stream);
+    st.combine(expert_out, v.ctas, v.own_rows_in_place, stream);
     ws->check();
     out.slots.push_back(download(reinterpret_cast<const uint16_t*>(st.slots()), slot_elems));
-  }
-  const __nv_bfloat16* shared = c.with_shared ? reinterpret_cast<const __nv_bfloat16*>(d_shared.get()) : nullptr;
-  auto* y = reinterpret_cast<__nv_bfloat16*>(d_y.get());
-  for (int rep = 0; rep < 2; ++rep) {
     MOK_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, d_y.bytes(), stream));
-    st.epilogue(d_w.get(), shared, y, stream);
+    st.epilogue(d_w.get(), shared, v.own_rows_in_place ? expert_out : nullptr, y, stream);
     ws->check();
-    (rep == 0 ? out.y : out.y_again) = download(d_y.get(), d_y.size());
+    out.ys.push_back(download(d_y.get(), d_y.size()));
   }
+  MOK_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, d_y.bytes(), stream));
+  st.epilogue(d_w.get(), shared, combine_variants().back().own_rows_in_place ? expert_out : nullptr, y, stream);
+  ws->check();
+  out.y_again = download(d_y.get(), d_y.size());
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   sync_ranks();  // nobody tears its window down while a peer may still touch it
   ws.reset();
@@ -423,10 +434,16 @@ inline void expect_data(const CommCase& c, const ref::Schedule& ref, const std::
     const int owner = s.owner_rank(in[r].topk[j]);
     std::memcpy(&slots[j * H], &in[owner].expert_out[ref.dest_row[r][j] * H], H * 2);
   }
+  // In place: the own rank's slots are never written (still the 0xFFFF poison).
+  std::vector<uint16_t> slots_in_place = slots;
+  for (int64_t j = 0; j < s.tokens * s.topk; ++j) {
+    if (s.owner_rank(in[r].topk[j]) == r) std::fill_n(&slots_in_place[j * H], H, uint16_t{0xFFFF});
+  }
   for (size_t v = 0; v < o.slots.size(); ++v) {
-    const int64_t bad = first_mismatch(o.slots[v], slots);
-    EXPECT_EQ(bad, -1) << who << ": combine variant (ctas " << combine_variants()[v] << ") first mismatch at slot "
-                       << bad / H << " col " << bad % H;
+    const CombineVariant& cv = combine_variants()[v];
+    const int64_t bad = first_mismatch(o.slots[v], cv.own_rows_in_place ? slots_in_place : slots);
+    EXPECT_EQ(bad, -1) << who << ": combine variant (ctas " << cv.ctas << ", own rows in place "
+                       << cv.own_rows_in_place << ") first mismatch at slot " << bad / H << " col " << bad % H;
   }
   // Epilogue (docs/numerics.md): acc = shared or 0; acc = fmaf(w, slot, acc) for k = 0..K-1.
   std::vector<uint16_t> y(s.tokens * H);
@@ -439,9 +456,14 @@ inline void expect_data(const CommCase& c, const ref::Schedule& ref, const std::
       y[t * H + j] = ref::to_bf16(acc);
     }
   }
-  const int64_t bad = first_mismatch(o.y, y);
-  EXPECT_EQ(bad, -1) << who << ": epilogue first mismatch at token " << bad / H << " col " << bad % H;
-  EXPECT_EQ(first_mismatch(o.y, o.y_again), -1) << who << ": epilogue not bitwise repeatable";
+  for (size_t v = 0; v < o.ys.size(); ++v) {
+    const int64_t bad = first_mismatch(o.ys[v], y);
+    EXPECT_EQ(bad, -1) << who << ": epilogue after combine variant " << v << " (own rows in place "
+                       << combine_variants()[v].own_rows_in_place << ") first mismatch at token " << bad / H
+                       << " col " << bad % H;
+  }
+  ASSERT_FALSE(o.ys.empty()) << who;
+  EXPECT_EQ(first_mismatch(o.ys.back(), o.y_again), -1) << who << ": epilogue not bitwise repeatable";
 }
 
 }  // namespace mok::test

@@ -283,13 +283,17 @@ struct PassBits {
   std::vector<uint16_t> y, g, u, shared_g, shared_u;  // g, u: the schedule's padded rows only
 };
 
-std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path) {
+// copy_modes: the dedup dispatch and the in-place combine (the defaults); false: plain pull and
+// every slot filled.
+std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
+                               bool copy_modes = true) {
   const LayerShape& s = p.shape;
   std::vector<PassBits> out(s.ep);
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = Workspace::create(s, cfg, r.comm, r.device);
     ws->impl().forward_path = path;
+    ws->impl().dispatch_dedup = ws->impl().combine_in_place = copy_modes;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -327,7 +331,11 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   cfg.minibatch = 128;  // many minibatches: GEMM2 of one overlaps GEMM1 of the next
   const auto staged = run_path(p, cfg, megakernel::ForwardPath::kStaged);
   const auto fused = run_path(p, cfg, megakernel::ForwardPath::kFused);
+  // The plain pull dispatch and the all-slots combine (the copy modes off) give the same bits.
+  const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, false);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_plain[r].y, fused[r].y)) << c.name << " rank " << r << ": y, copy modes off";
+    EXPECT_TRUE(same_bits(fused_plain[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, copy modes off";
     EXPECT_TRUE(same_bits(fused[r].y, staged[r].y)) << c.name << " rank " << r << ": y";
     EXPECT_TRUE(same_bits(fused[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g";
     EXPECT_TRUE(same_bits(fused[r].u, staged[r].u)) << c.name << " rank " << r << ": saved u";
