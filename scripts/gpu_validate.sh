@@ -57,12 +57,13 @@ run() {
   step test_comm         60 $BIN/test_comm
   step test_comm_errors  40 $BIN/test_comm_errors
   step test_comm_boot    20 $BIN/test_comm_bootstrap
-  step test_forward     180 $BIN/test_forward
+  step test_forward     300 $BIN/test_forward
   step torchrun          40 $TR --no-python --nproc_per_node=$NGPU --master_port 29571 $BIN/test_comm_torchrun
   step memcheck_gemm     60 $SAN --tool memcheck $BIN/test_gemm --gtest_filter='*SanitizerSmall*'
   step racecheck_gemm    60 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*'
   step memcheck_forward  90 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1'
   step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'
+  step memcheck_comm    120 $SAN --tool memcheck $BIN/test_comm --gtest_filter='Ep1/CommPipeline.*:Ep1/CommEngines.*AllTokens*'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
   if [ "${BENCH:-0}" = 1 ]; then
     step bench_forward  300 $BIN/bench_forward ${BENCH_FORWARD_ARGS:---shapes dsv3 --comm 8,12,16,24} --out "$OUT/forward.json"

@@ -330,12 +330,15 @@ __device__ inline FanRow fan_row(const DispatchRole& r, const RowEntry& e, int64
 }
 
 // One warp: R source rows at once, V vectors of each per lane in flight, each stored to all of
-// its destinations.
+// its destinations. The chunk loop is warp-uniform (every lane runs every round, guards per
+// vector): the destination rows travel by __shfl_sync inside it, which needs all 32 lanes (a
+// lane-strided loop leaves lanes 16..31 out for 256-byte rows).
 template <int R, int V, class Load>
 __device__ __forceinline__ void warp_fanout_rows(const FanRow (&job)[R], char* buffer, int64_t row_bytes, int lane,
                                                  Load load) {
   const int64_t vecs = row_bytes / 16;
-  for (int64_t base = lane; base < vecs; base += 32 * V) {
+  for (int64_t base0 = 0; base0 < vecs; base0 += 32 * V) {
+    const int64_t base = base0 + lane;
     int4 v[R][V];
 #pragma unroll
     for (int q = 0; q < R; ++q) {
