@@ -448,45 +448,8 @@ __device__ inline bool wait_minibatch_ready(const uint32_t* ready, const Schedul
 
 // ---- combine -------------------------------------------------------------------------------
 
-template <class T>
-__device__ __forceinline__ T* shfl_ptr(T* p, int j) {
-  const uint64_t v = reinterpret_cast<uint64_t>(p);
-  const uint64_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), j);
-  const uint64_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v), j);
-  return reinterpret_cast<T*>(hi << 32 | lo);
-}
-
-// One warp copies its n rows (lane j < n: source and destination of row j) as ONE stream of
-// n * vecs vectors, V per lane in flight across row boundaries: a row copied on its own leaves
-// its last round short (DeepSeek-V3: 896 vectors = 512 + 384, a quarter less in flight).
-// Warp-uniform loop: the row pointers travel by __shfl_sync, which needs every lane.
-template <int V, class Load>
-__device__ __forceinline__ void warp_copy_row_stream(const int4* src, int4* dst, int n, int64_t vecs, int lane,
-                                                     Load load) {
-  const uint32_t total = static_cast<uint32_t>(n) * static_cast<uint32_t>(vecs);
-  const uint32_t row_vecs = static_cast<uint32_t>(vecs);
-  for (uint32_t base0 = 0; base0 < total; base0 += 32 * V) {
-    int4 v[V];
-#pragma unroll
-    for (int u = 0; u < V; ++u) {
-      const uint32_t i = base0 + u * 32 + lane;
-      const uint32_t j = i < total ? i / row_vecs : 0;
-      const int4* s = shfl_ptr(src, static_cast<int>(j));
-      if (i < total) v[u] = load(s + (i - j * row_vecs));
-    }
-#pragma unroll
-    for (int u = 0; u < V; ++u) {
-      const uint32_t i = base0 + u * 32 + lane;
-      const uint32_t j = i < total ? i / row_vecs : 0;
-      int4* d = shfl_ptr(dst, static_cast<int>(j));
-      if (i < total) store_vec(d + (i - j * row_vecs), v[u]);
-    }
-  }
-}
-
 // This CTA's tiles of its group. Unlike dispatch, one loop with a run-time row count serves
-// every group and shape (measured as fast as the original: v3 run 1). The one-row shape
-// (standalone) streams the warp's rows of a tile as one (warp_copy_row_stream).
+// every group and shape (measured as fast as the original: v3 run 1).
 template <class Shape>
 __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
@@ -504,23 +467,6 @@ __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
       if (!__syncthreads_and(ok)) return;
     }
     const WarpRows mine = warp_tile_rows_any<Shape>(r.rows, tile, g.set, r.peers.rank, warp, lane);
-    if constexpr (R == 1) {
-      // Lane k takes the k-th real row of the warp (padding rows go nowhere).
-      const uint32_t real = __ballot_sync(0xffffffffu, lane < mine.count && mine.e.src_rank >= 0);
-      const int n = __popc(real);
-      const int from = lane < n ? static_cast<int>(__fns(real, 0, lane + 1)) : 0;
-      const RowEntry e = shfl_entry(mine.e, from);
-      const int in_tile = __shfl_sync(0xffffffffu, mine.row, from);
-      const int4* src = nullptr;
-      int4* dst = nullptr;
-      if (lane < n) {
-        const int64_t slot = static_cast<int64_t>(e.token) * r.topk + e.k;
-        dst = reinterpret_cast<int4*>(r.peers.base[e.src_rank] + r.slots_offset + slot * r.row_bytes);
-        src = reinterpret_cast<const int4*>(r.expert_out + (tile * kRowTile + in_tile) * r.row_bytes);
-      }
-      warp_copy_row_stream<V>(src, dst, n, vecs, lane, FreshLoad{});
-      continue;
-    }
     for (int j0 = 0; j0 < mine.count; j0 += R) {
       RowCopy job[R];
 #pragma unroll
