@@ -15,7 +15,7 @@ enum class WaitSite : int32_t {
   kNone = 0,
   kPhaseBarrier = 1,   // a peer's epoch in this rank's flag slot (cross-GPU)
   kGroupArrive = 2,    // comm CTAs of this rank waiting for the group barrier to open
-  kDispatchTile = 3,   // dedup dispatch waiting for an earlier row tile of this rank
+  kDispatchTile = 3,   // (unused since the fan-out dedup dispatch, which never waits; value kept stable)
   kCombineSource = 4,  // combine waiting for an expert-output row tile (GEMM 2)
   kReadyCounter = 5,   // a consumer waiting for a minibatch ready counter
   kTest = 6,           // tests that prove the timeout path
