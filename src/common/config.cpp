@@ -76,19 +76,20 @@ int64_t Config::effective_minibatch(const LayerShape& shape) const {
 
 int Config::effective_comm_sms_forward(const LayerShape& shape) const {
   if (comm_sms_forward > 0) return comm_sms_forward;
-  // Dispatch and combine each move every routed row (T*K rows of H bf16, own-rank rows
-  // included); one comm CTA moves about 20 GB/s, the GEMM SMs deliver about 600 TFLOP/s
-  // (H200, docs/perf-log.md). Pick the CTAs that finish the bytes in the GEMMs' time: this
-  // reproduces the best points of the 2026-11-30 sweeps (dsv3 8-9, qwen3 ~26, gptoss ~7).
+  // Dispatch and combine each handle every routed row (T*K rows of H bf16); with the dedup
+  // fan-out dispatch and the in-place combine one comm CTA gets through about 33 GB/s of those
+  // rows, the GEMM SMs deliver about 600 TFLOP/s (H200, docs/perf-log.md). Pick the CTAs that
+  // finish the rows in the GEMMs' time, at least 6: this lands on the best points of the
+  // 2026-11-30 sweeps after the fan-out (forward-v6..v8: dsv3 4-8, qwen3 16, gptoss 6-8).
   // Any count gives the same bits (D2).
   const double rows = static_cast<double>(shape.tokens) * shape.topk;
   const double bytes = 2.0 * rows * static_cast<double>(shape.hidden) * 2.0;
   const double flops = 6.0 * static_cast<double>(shape.hidden) *
                        (static_cast<double>(shape.intermediate) * rows +
                         static_cast<double>(shape.shared_intermediate) * static_cast<double>(shape.tokens));
-  const double gemm_s = flops / 600e12, cta_bytes_per_s = 20e9;
+  const double gemm_s = flops / 600e12, cta_bytes_per_s = 33e9;
   const int ctas = static_cast<int>(std::ceil(bytes / (gemm_s * cta_bytes_per_s)));
-  return std::clamp(ctas, 4, 32);
+  return std::clamp(ctas, 6, 32);
 }
 
 std::string Config::to_string() const {
