@@ -20,7 +20,9 @@
 // (remote_ctas = 0), `warp_auto` with kRemoteCtasAuto (the combine default). Default: none.
 // warp_dedup: the dedup fan-out dispatch (the layer's default); warp_dedup_rP / warp_dedup_auto
 // the same with the CTA split. warp_inplace: the layer's combine (own_rows_in_place: only other
-// ranks' rows move; the epilogue then reads the own rows in place, timed as epilogue_in_place_ms).
+// ranks' rows move, split evenly over all comm warps by the schedule's remote-row list; the
+// epilogue then reads the own rows in place, timed as epilogue_in_place_ms); warp_inplace_tiles
+// the same by row tiles per CTA.
 //
 // Bytes, per rank and one way: `dispatch_bytes_moved` = rows from other ranks, one per (token, k)
 // (what crosses NVLink in the plain dispatch and in combine), `dispatch_bytes_min` = distinct
@@ -72,7 +74,7 @@ struct Options {
   std::vector<int> ctas{8, 16, 24, 32};
   int iters = 20, warmup = 3;
   std::vector<std::string> dispatch{"warp", "warp_dedup", "warp_dedup_r50", "hybrid", "bulk", "bulk_dedup"};
-  std::vector<std::string> combine{"warp", "warp_inplace", "hybrid", "bulk"};
+  std::vector<std::string> combine{"warp", "warp_inplace", "warp_inplace_tiles", "hybrid", "bulk"};
   std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk"};
   std::vector<int> split;  // remote CTA percentages (warp_rP variants)
   std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
@@ -117,6 +119,7 @@ struct Variant {
   bool risky = false;  // bulk copies over NVLink: measured last
   int split_pct = 0;   // kWarp: remote CTAs in % of the comm CTAs (0: unsplit, -1: kRemoteCtasAuto)
   bool in_place = false;  // combine: own_rows_in_place (only other ranks' rows move)
+  bool tiles = false;     // in-place combine by row tiles per CTA instead of the remote-row list
 };
 
 // role.remote_ctas of a variant at `ctas` comm CTAs.
@@ -137,6 +140,7 @@ bool lookup(Kind kind, const std::string& name, Variant& v) {
   }
   if (name == "warp" || name == "warp_dedup") v.engine = CopyEngine::kWarp;
   else if (name == "warp_inplace" && kind == Kind::kCombine) v.in_place = true;
+  else if (name == "warp_inplace_tiles" && kind == Kind::kCombine) v.in_place = v.tiles = true;
   else if (name == "warp_auto" || name == "warp_dedup_auto") v.split_pct = -1;
   else if (name.rfind("warp_r", 0) == 0 && name.size() > 6) v.split_pct = std::stoi(name.substr(6));
   else if (name.rfind("warp_dedup_r", 0) == 0 && name.size() > 12) v.split_pct = std::stoi(name.substr(12));
@@ -258,6 +262,7 @@ void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stre
 
 void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, const Variant& v, cudaStream_t stream) {
   comm::CombineLaunch l = st.combine_launch(expert_out, ctas, v.in_place);
+  if (v.tiles) l.role.remote_rows = l.role.remote_count = nullptr;
   l.role.engine = v.engine;
   l.role.remote_ctas = remote_ctas_of(v, ctas);
   comm::launch_combine(l, stream);

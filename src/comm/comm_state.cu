@@ -92,6 +92,8 @@ CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int cta
   l.role.rows = schedule_->rows.get();
   l.role.expert_out = reinterpret_cast<const char*>(expert_out);
   l.role.own_rows_in_place = own_rows_in_place;
+  l.role.remote_rows = schedule_->remote_rows.get();
+  l.role.remote_count = schedule_->remote_count.get();
   l.role.wait = wait_context();
   l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
   l.ctas = ctas;

@@ -97,6 +97,12 @@ struct CombineRole {
   // (token, k) rows stay in expert_out and the epilogue reads them there (EpilogueRole::
   // own_dest_row): the same bytes reach y, 472 MB less copying at DeepSeek-V3 EP=2.
   bool own_rows_in_place = false;
+  // With own_rows_in_place: the schedule's list of this rank's rows of other ranks' tokens
+  // (ScheduleView::remote_rows/remote_count). Comm warp w of all of them takes list entries
+  // w, w + warps, ...: an even, fixed split (row tiles per CTA leave a tile's worth of tail).
+  // nullptr: row tiles per CTA.
+  const int32_t* remote_rows = nullptr;
+  const int32_t* remote_count = nullptr;
 };
 
 struct EpilogueRole {

@@ -485,6 +485,43 @@ __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
   }
 }
 
+// In-place combine over the schedule's remote-row list: comm warp gw (of all CTAs) takes list
+// entries gw, gw + warps, ... (R at a time), so every warp moves the same number of rows, in
+// increasing row order; with out_ready each row waits for its row tile (lane 0 acquires, the
+// __syncwarp orders the other lanes' loads after it).
+template <class Shape>
+__device__ inline void combine_remote_list(const CombineRole& r, int cta, int nctas) {
+  constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
+  const int64_t vecs = r.row_bytes / 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nw = static_cast<int64_t>(nctas) * Shape::kWarps;
+  const int64_t gw = static_cast<int64_t>(cta) * Shape::kWarps + warp;
+  const int64_t n = *r.remote_count;  // written by the schedule kernel, before this kernel
+  for (int64_t i0 = gw; i0 < n; i0 += nw * R) {
+    RowCopy job[R];
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int64_t i = i0 + q * nw;
+      if (i >= n) break;  // warp-uniform
+      const int64_t row = r.remote_rows[i];
+      if (r.out_ready != nullptr) {
+        bool ok = true;
+        if (lane == 0) {
+          ok = wait_geq<Scope::kGpu>(r.out_ready + row / kRowTile, r.out_ready_target, WaitSite::kCombineSource, r.wait);
+        }
+        ok = __shfl_sync(0xffffffffu, ok, 0);
+        __syncwarp();  // NOTE: orders the other lanes' loads after lane 0's acquire
+        if (!ok) return;
+      }
+      const RowEntry e = r.rows[row];
+      const int64_t slot = static_cast<int64_t>(e.token) * r.topk + e.k;
+      job[q].dst = reinterpret_cast<int4*>(r.peers.base[e.src_rank] + r.slots_offset + slot * r.row_bytes);
+      job[q].src = reinterpret_cast<const int4*>(r.expert_out + row * r.row_bytes);
+    }
+    warp_copy_rows<R, V>(job, vecs, lane, FreshLoad{});
+  }
+}
+
 // Pushes every real row to slot (token, k) of its source rank, each row tile once
 // out_ready[tile] >= out_ready_target (when out_ready is set). The slots may be read only after
 // a phase barrier that follows this role on every rank. No static shared memory (the fused
@@ -493,7 +530,12 @@ template <class Shape>
 __device__ inline void combine_push_warps(const CombineRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
   if (r.own_rows_in_place) {
-    if (r.peers.ep > 1) combine_tiles<Shape>(r, CtaGroup{RowSet::kRemote, cta, nctas, false});
+    if (r.peers.ep < 2) return;
+    if (r.remote_rows != nullptr) {
+      combine_remote_list<Shape>(r, cta, nctas);
+    } else {
+      combine_tiles<Shape>(r, CtaGroup{RowSet::kRemote, cta, nctas, false});
+    }
     return;
   }
   combine_tiles<Shape>(r, cta_group(r.remote_ctas, r.peers.ep, cta, nctas));

@@ -4,6 +4,8 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_select.cuh>
+#include <thrust/iterator/counting_iterator.h>
 
 #include <algorithm>
 #include <bit>
@@ -294,6 +296,16 @@ __global__ void __launch_bounds__(kThreads) link_kernel(const LinkParams p) {
   p.rows[i] = row;
 }
 
+// ---- 7. remote rows ------------------------------------------------------------------------
+struct IsRemoteRow {
+  const RowEntry* rows;
+  int rank;
+  __device__ bool operator()(int32_t i) const {
+    const int32_t src = rows[i].src_rank;
+    return src >= 0 && src != rank;
+  }
+};
+
 unsigned grid_for(int64_t n, int threads) { return static_cast<unsigned>(std::max<int64_t>(ceil_div(n, threads), 1)); }
 
 }  // namespace
@@ -306,6 +318,8 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
       rows(config.buffer_rows_per_rank(shape)),
       dest_row(static_cast<size_t>(shape.ep) * shape.tokens * shape.topk),
       minibatch_ranges(3 * ceil_div(config.buffer_rows_per_rank(shape), config.effective_minibatch(shape))),
+      remote_rows(config.buffer_rows_per_rank(shape)),
+      remote_count(1),
       keys_in(dest_row.size()),
       keys_out(dest_row.size()),
       vals_in(dest_row.size()),
@@ -319,7 +333,10 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
   size_t temp_bytes = 0;
   MOK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in.get(), keys_out.get(), vals_in.get(),
                                                  vals_out.get(), entries, 0, key_bits));
-  sort_temp = DeviceBuffer<unsigned char>(temp_bytes);
+  size_t select_bytes = 0;
+  MOK_CUDA_CHECK(cub::DeviceSelect::If(nullptr, select_bytes, thrust::counting_iterator<int32_t>(0), remote_rows.get(),
+                                       remote_count.get(), buffer_rows, IsRemoteRow{rows.get(), 0}));
+  sort_temp = DeviceBuffer<unsigned char>(std::max(temp_bytes, select_bytes));
 }
 
 ScheduleView ScheduleBuffers::view() const {
@@ -332,6 +349,8 @@ ScheduleView ScheduleBuffers::view() const {
   v.mb_begin = minibatch_ranges.get();
   v.mb_end = minibatch_ranges.get() + max_minibatches;
   v.mb_real_rows = minibatch_ranges.get() + 2 * max_minibatches;
+  v.remote_rows = remote_rows.get();
+  v.remote_count = remote_count.get();
   v.buffer_rows = buffer_rows;
   v.minibatch = minibatch;
   v.max_minibatches = max_minibatches;
@@ -375,6 +394,11 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   LinkParams lp{b.header.get(), b.dest_row.get(), b.buffer_rows, s.tokens, s.topk, b.rows.get()};
   link_kernel<<<grid_for(b.buffer_rows, kThreads), kThreads, 0, stream>>>(lp);
   MOK_CUDA_CHECK(cudaGetLastError());
+
+  size_t select_bytes = b.sort_temp.size();
+  MOK_CUDA_CHECK(cub::DeviceSelect::If(b.sort_temp.get(), select_bytes, thrust::counting_iterator<int32_t>(0),
+                                       b.remote_rows.get(), b.remote_count.get(), b.buffer_rows,
+                                       IsRemoteRow{b.rows.get(), rank}, stream));
 }
 
 }  // namespace mok::comm

@@ -13,7 +13,9 @@
 //      together); per-minibatch ranges;
 //   5. rows: each buffer row's (src_rank, token, k), the owner row of each global entry;
 //   6. dedup links: the first row (lowest local expert) of each token on this rank, which the
-//      dedup dispatch pulls over NVLink once; later rows of the token copy it locally.
+//      dedup dispatch reads once and fans out to the token's other rows;
+//   7. remote rows: the buffer rows of other ranks' tokens in increasing order (CUB select), the
+//      work list of the in-place combine (an even split over all comm warps).
 // On any routing error or capacity overflow every output is poisoned (-1, minibatches 0) and
 // the header's status says why; the error record holds the details for Workspace::check().
 #pragma once
@@ -59,6 +61,8 @@ struct ScheduleView {
   const int64_t* mb_begin = nullptr;       // [max_minibatches] padded row range of minibatch m
   const int64_t* mb_end = nullptr;
   const int64_t* mb_real_rows = nullptr;   // real rows inside minibatch m
+  const int32_t* remote_rows = nullptr;    // [buffer_rows] rows of other ranks' tokens, increasing
+  const int32_t* remote_count = nullptr;   // [1] how many (0 when poisoned)
   int64_t buffer_rows = 0;
   int64_t minibatch = 0;                   // rows per minibatch (a multiple of kRowTile)
   int64_t max_minibatches = 0;
@@ -75,6 +79,7 @@ class ScheduleBuffers {
   DeviceBuffer<RowEntry> rows;
   DeviceBuffer<int32_t> dest_row;
   DeviceBuffer<int64_t> minibatch_ranges;  // [3][max_minibatches]: begin, end, real rows
+  DeviceBuffer<int32_t> remote_rows, remote_count;
   DeviceBuffer<uint32_t> keys_in, keys_out, vals_in, vals_out;
   DeviceBuffer<unsigned long long> owner_rows;  // [ep] routed rows of every rank (capacity check)
   DeviceBuffer<unsigned char> sort_temp;

@@ -19,6 +19,7 @@
 
 #include "comm/comm_state.hpp"
 #include "comm/cuda_check.hpp"
+#include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
@@ -196,12 +197,16 @@ inline const std::vector<DispatchVariant>& dispatch_variants() {
 // own_rows_in_place: only other ranks' rows are pushed (own-rank slots must stay poisoned) and
 // the epilogue reads the own rows from expert_out. Each combine variant is followed by an
 // epilogue in its mode.
+// remote_list: the in-place combine walks the schedule's remote-row list (the default);
+// false: row tiles per CTA (CombineRole::remote_rows = nullptr).
 struct CombineVariant {
   int ctas;
   bool own_rows_in_place;
+  bool remote_list = true;
 };
 inline const std::vector<CombineVariant>& combine_variants() {
-  static const std::vector<CombineVariant> v{{16, false}, {1, false}, {7, true}, {1, true}, {16, true}};
+  static const std::vector<CombineVariant> v{{16, false}, {1, false},       {7, true},
+                                             {1, true},   {5, true, false}, {16, true}};
   return v;
 }
 
@@ -215,7 +220,7 @@ struct RankOutputs {
   comm::ScheduleHeader header{};
   std::vector<int64_t> offset, count, mb;
   std::vector<comm::RowEntry> rows, rows_again;
-  std::vector<int32_t> dest;
+  std::vector<int32_t> dest, remote_rows;  // remote_rows: the first remote_count entries
   std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant: [padded_rows, H]
   std::vector<std::vector<uint16_t>> slots;       // per combine variant: [T, K, H]
   std::vector<std::vector<uint16_t>> ys;          // per combine variant: the epilogue's y after it
@@ -270,6 +275,9 @@ inline void download_schedule(const comm::CommState& st, RankOutputs& out) {
   out.rows = download(b.rows.get(), b.rows.size());
   out.dest = download(b.dest_row.get(), b.dest_row.size());
   out.mb = download(b.minibatch_ranges.get(), b.minibatch_ranges.size());
+  int32_t n = 0;
+  MOK_CUDA_CHECK(cudaMemcpy(&n, b.remote_count.get(), sizeof(n), cudaMemcpyDeviceToHost));
+  out.remote_rows = download(b.remote_rows.get(), static_cast<size_t>(std::max(n, 0)));
 }
 
 // The whole pipeline on one rank. `sync_ranks` = every rank's stream idle, then a host barrier
@@ -319,7 +327,9 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t 
     MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
     MOK_CUDA_CHECK(cudaDeviceSynchronize());
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
-    st.combine(expert_out, v.ctas, v.own_rows_in_place, stream);
+    comm::CombineLaunch l = st.combine_launch(expert_out, v.ctas, v.own_rows_in_place);
+    if (!v.remote_list) l.role.remote_rows = l.role.remote_count = nullptr;
+    comm::launch_combine(l, stream);
     ws->check();
     out.slots.push_back(download(reinterpret_cast<const uint16_t*>(st.slots()), slot_elems));
     MOK_CUDA_CHECK(cudaMemsetAsync(y, 0xFF, d_y.bytes(), stream));
@@ -369,6 +379,13 @@ inline void expect_schedule(const CommCase& c, const ref::Schedule& ref,
     }
   }
   EXPECT_EQ(first_mismatch(o.rows, o.rows_again), -1) << who << ": schedule not bitwise repeatable";
+  // The in-place combine's work list: this rank's rows of other ranks' tokens, increasing.
+  std::vector<int32_t> remote;
+  for (int64_t i = 0; i < rs.padded_rows; ++i) {
+    if (!rs.rows[i].is_padding() && rs.rows[i].src_rank != r) remote.push_back(static_cast<int32_t>(i));
+  }
+  EXPECT_EQ(first_mismatch(o.remote_rows, remote), -1) << who << ": remote_rows (" << o.remote_rows.size() << " vs "
+                                                       << remote.size() << " expected)";
   // dest_row: this rank's row of every source entry; -1 where another rank owns the expert.
   for (int src = 0; src < s.ep; ++src) {
     for (int64_t j = 0; j < s.tokens * s.topk; ++j) {
