@@ -13,11 +13,12 @@
 // full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
 //
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3]
-//                 [--tokens N] [--ep N] [--plain 0|1] [--out bench/results/2026-11-30-forward.json]
+//                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--out bench/results/2026-11-30-forward.json]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
 // into every slot) at each comm count: fwd_plain_ms (the layer before the dedup fan-out and the
-// in-place combine), same bits.
+// in-place combine), same bits. --tiles 1: the same with the in-place combine by row tiles per
+// CTA instead of the schedule's remote-row list (fwd_tiles_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -54,7 +55,7 @@ struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
   std::vector<int> comm{8, 16, 24, 32};
   int iters = 10, warmup = 3, ep = 0;
-  bool plain = false;
+  bool plain = false, tiles = false;
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
 };
@@ -79,6 +80,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
+    else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
     else if (k == "--out") o.out = v;
     else {
       std::fprintf(stderr, "bench_forward: unknown option %s\n", k.c_str());
@@ -209,6 +211,7 @@ struct Baseline {
 struct RankResult {
   std::map<int, double> fused_ms;  // comm CTAs -> ms
   std::map<int, double> fused_plain_ms;  // the same with the copy modes off (--plain 1)
+  std::map<int, double> fused_tiles_ms;  // in-place combine by row tiles per CTA (--tiles 1)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
   int64_t plain_vs_fused = 0;
@@ -248,6 +251,19 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
     fo.timeout_s = cfg.wait_timeout_s;
     fo.dedup = fo.own_rows_in_place = false;
     res.fused_plain_ms[c] = time_ms(o, sync, st, [&] {
+      schedule(*ws, L.topk_idx.get(), st);
+      megakernel::fused_forward(state, buf, args, w, fo, st);
+    });
+    impl.last_stream = st;
+    ws->check();
+    res.plain_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  }
+  for (int c : o.tiles ? o.comm : std::vector<int>{}) {
+    megakernel::FusedForwardOptions fo;
+    fo.comm_ctas = c;
+    fo.timeout_s = cfg.wait_timeout_s;
+    fo.combine_remote_list = false;
+    res.fused_tiles_ms[c] = time_ms(o, sync, st, [&] {
       schedule(*ws, L.topk_idx.get(), st);
       megakernel::fused_forward(state, buf, args, w, fo, st);
     });
@@ -363,10 +379,21 @@ int main(int argc, char** argv) {
       sweep << ", \"fwd_plain_ms_comm" << c << "\": " << fmt(ms);
       if (best_plain == 0 || ms < best_plain) best_plain = ms;
     }
+    double best_tiles = 0;
+    for (int c : o.tiles ? o.comm : std::vector<int>{}) {
+      const double ms = worst([&](const RankResult& r) { return r.fused_tiles_ms.at(c); });
+      sweep << ", \"fwd_tiles_ms_comm" << c << "\": " << fmt(ms);
+      if (best_tiles == 0 || ms < best_tiles) best_tiles = ms;
+    }
+    if (o.tiles) {
+      sweep << ", \"fwd_tiles_ms\": " << fmt(best_tiles);
+      std::printf("%-7s in-place combine by row tiles per CTA: best %.3f ms\n", o.shapes[i].c_str(), best_tiles);
+    }
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.plain_vs_fused == 0;
+    if (o.plain || o.tiles) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.plain) {
-      sweep << ", \"fwd_plain_ms\": " << fmt(best_plain) << ", \"plain_equals_fused\": " << (ps ? "true" : "false");
+      sweep << ", \"fwd_plain_ms\": " << fmt(best_plain);
       std::printf("%-7s copy modes off (plain dispatch, all-slots combine): best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), best_plain, ps ? "yes" : "NO");
     }

@@ -208,8 +208,10 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   c.out_ready = p.g2_done;
   c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
   c.own_rows_in_place = o.own_rows_in_place;
-  c.remote_rows = p.view.remote_rows;
-  c.remote_count = p.view.remote_count;
+  if (o.combine_remote_list) {
+    c.remote_rows = p.view.remote_rows;
+    c.remote_count = p.view.remote_count;
+  }
   c.wait = p.wait;
   // Barrier epochs in the order every rank issues them.
   p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};

@@ -30,6 +30,7 @@ struct FusedForwardOptions {
   double timeout_s = 10.0;  // Config::wait_timeout_s
   bool dedup = true;              // dispatch: each (token, rank) read once and fanned out (same bytes)
   bool own_rows_in_place = true;  // combine: only other ranks' rows move; the epilogue reads own ones in place
+  bool combine_remote_list = true;  // in-place combine over the schedule's remote-row list (false: row tiles per CTA)
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the
