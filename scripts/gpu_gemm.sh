@@ -3,22 +3,24 @@
 #
 #   scripts/gpu_gemm.sh build            # CPU machine: nvcc straight (no CMake), binaries -> .devbin/gemm/
 #   scripts/gpu_gemm.sh run [what...]    # GPU machine, repo root; what = tests sanitizer sass bench (default all)
+#   BIN=.devbin/gemm-x OBJ=build-gemm-x/obj GEMM_FLAGS="-DMOK_GEMM_EPI_BUFFERS=2" scripts/gpu_gemm.sh build
+#                                        # a variant build for an A/B run (run with the same BIN)
 #
 # `run` writes logs to $OUT (default ./gemm-out) and the bench JSON to $OUT/gemm.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-}
 shift || true
-BIN=.devbin/gemm
+BIN=${BIN:-.devbin/gemm}
 OUT=${OUT:-./gemm-out}
 
 build() {
   set -e
-  local O=build-gemm/obj
+  local O=${OBJ:-build-gemm/obj}
   local CUT
   CUT=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
   mkdir -p $O $BIN
-  local NV="/usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=--warn-on-spills -Xcompiler=-Wall -Iinclude -Isrc -Itests -Ibench -I$CUT"
+  local NV="/usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=--warn-on-spills -Xcompiler=-Wall -Iinclude -Isrc -Itests -Ibench -I$CUT ${GEMM_FLAGS:-}"
   compile() {  # source object [extra flags]
     if [ ! -f "$2" ] || [ -n "$(find "$1" src/gemm include/mok -newer "$2" 2>/dev/null | head -1)" ]; then
       echo "nvcc $1"; $NV ${3:-} -c "$1" -o "$2" 2>&1 | tee "$2.log" | grep -E "error|warning|C7510|C7515|C7518|spill" || true

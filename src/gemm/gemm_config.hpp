@@ -18,6 +18,18 @@ inline constexpr int kBoxInner = kSwizzleBytes / 2;  // 64 bf16: widest TMA box 
 // group, so the CTAs running at the same time share B (weight) tiles and a few A row tiles.
 inline constexpr int kGroupM = 8;
 
+// Epilogue staging buffers per consumer warpgroup. 1: a store round waits until the TMA store
+// of the previous round has read the buffer (4 pipeline stages fit); 2: rounds alternate two
+// buffers and wait only for the round before the previous one (the pipeline then has 3 stages:
+// 3 x 48 + 2 x 2 x 16 KiB). Build-time choice (-DMOK_GEMM_EPI_BUFFERS=2) for the A/B
+// measurement in docs/gemm.md.
+#ifndef MOK_GEMM_EPI_BUFFERS
+#define MOK_GEMM_EPI_BUFFERS 1
+#endif
+inline constexpr int kEpiBuffers = MOK_GEMM_EPI_BUFFERS;
+static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue staging buffers");
+inline constexpr int kPipeStages = kEpiBuffers == 2 ? 3 : 4;  // the kinds' TileConfig stages
+
 // One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
 // bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
 // each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.
@@ -56,7 +68,8 @@ struct TileConfig {
   static constexpr int kEpiBoxBytes = 64 * kBoxInner * 2;
   static constexpr int kEpiBoxes = 2;
   static constexpr int kEpiCols = kEpiBoxes * kBoxInner;
-  static constexpr int kEpiBytesPerWG = kEpiBoxes * kEpiBoxBytes;
+  static constexpr int kEpiBufferBytes = kEpiBoxes * kEpiBoxBytes;
+  static constexpr int kEpiBytesPerWG = kEpiBuffers * kEpiBufferBytes;
 
 
   // SharedStorage (sm90_roles.cuh) is 1024-aligned: its barriers occupy one 1 KiB block,

@@ -40,10 +40,10 @@ struct RowKindBase {
 // Stores fragment value pairs (bits of acc(i), already packed bf16x2) of column blocks
 // J0..J0+15 into out[row0 + 64*wg .., col0 ..] through the staging boxes; columns at or past
 // `cols` are clipped (TMA never writes outside the tensor, a fully outside box is skipped).
-template <int J0, int Offset, class Acc>
+template <int J0, int Offset, int Round, class Acc>
 __device__ inline void store_packed(const EpiCtx& ctx, const Acc& acc, const CUtensorMap* map, int col0,
                                     int cols, int row0) {
-  store_round<J0>(
+  store_round<J0, Round>(
       ctx, [&](int i) { return __float_as_uint(acc(i + Offset)); },
       [&](uint8_t* box, int b) {
         if (col0 + 64 * b < cols) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, row0 + 64 * ctx.wg);
@@ -75,8 +75,8 @@ struct Gemm1SwigluParams {
 };
 
 template <int C>
-struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, 4, Major::kK, Major::kK, C>> {
-  using Cfg = TileConfig<256, 4, Major::kK, Major::kK, C>;
+struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kK, C>> {
+  using Cfg = TileConfig<256, kPipeStages, Major::kK, Major::kK, C>;
   using Params = Gemm1SwigluParams;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.x);
@@ -105,9 +105,9 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, 4, Majo
         if (col0 + 64 * b < p.inter) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
       };
     };
-    store_round<0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g));
-    store_round<0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, issue(&p.u));
-    store_round<0>(ctx, [&](int i) {
+    store_round<0, 0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g));
+    store_round<0, 1>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, issue(&p.u));
+    store_round<0, 2>(ctx, [&](int i) {
       const float2 g = unpack_bf16x2(pack_bf16x2(acc(i), acc(i + 1)));
       const float2 u = unpack_bf16x2(pack_bf16x2(acc(i + 64), acc(i + 65)));
       return real(i) ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
@@ -120,8 +120,8 @@ template <class Acc>
 __device__ inline void store_bf16_256(const EpiCtx& ctx, Acc& acc, const CUtensorMap* map, const RowTile& t,
                                       int cols) {
   pack_rows_bf16(ctx, acc, t.real_rows);
-  store_packed<0, 0>(ctx, acc, map, 256 * t.n_tile, cols, t.row0);
-  store_packed<16, 0>(ctx, acc, map, 256 * t.n_tile + 128, cols, t.row0);
+  store_packed<0, 0, 0>(ctx, acc, map, 256 * t.n_tile, cols, t.row0);
+  store_packed<16, 0, 1>(ctx, acc, map, 256 * t.n_tile + 128, cols, t.row0);
 }
 
 struct Gemm2Params {
@@ -135,8 +135,8 @@ struct Gemm2Params {
 };
 
 template <int C>
-struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, 4, Major::kK, Major::kK, C>> {
-  using Cfg = TileConfig<256, 4, Major::kK, Major::kK, C>;
+struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kK, C>> {
+  using Cfg = TileConfig<256, kPipeStages, Major::kK, Major::kK, C>;
   using Params = Gemm2Params;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.h);
@@ -168,8 +168,8 @@ struct DgradInputParams {
 };
 
 template <int C>
-struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, 4, Major::kK, Major::kMN, C>> {
-  using Cfg = TileConfig<256, 4, Major::kK, Major::kMN, C>;
+struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>> {
+  using Cfg = TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>;
   using Params = DgradInputParams;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dg);
@@ -210,8 +210,8 @@ struct DgradHiddenParams {
 };
 
 template <int C>
-struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, 4, Major::kK, Major::kMN, C>> {
-  using Cfg = TileConfig<256, 4, Major::kK, Major::kMN, C>;
+struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>> {
+  using Cfg = TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>;
   using Params = DgradHiddenParams;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dys);
@@ -256,8 +256,8 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, 4, Majo
       }
     }
     const int col0 = 256 * t.n_tile + 128 * Half;
-    store_packed<16 * Half, 0>(ctx, acc, &p.dg, col0, p.inter, t.row0);
-    store_packed<16 * Half, 1>(ctx, acc, &p.du, col0, p.inter, t.row0);
+    store_packed<16 * Half, 0, 2 * Half>(ctx, acc, &p.dg, col0, p.inter, t.row0);
+    store_packed<16 * Half, 1, 2 * Half + 1>(ctx, acc, &p.du, col0, p.inter, t.row0);
   }
 
   template <class Acc>

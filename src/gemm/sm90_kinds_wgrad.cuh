@@ -32,7 +32,7 @@ WgradProblemParams problems[kMaxWgradProblems];
 // makes ptxas serialise every wgmma (C7518).
 template <int Mode, int C>
 struct WgradKind {
-  using Cfg = TileConfig<256, 4, Major::kMN, Major::kMN, C>;
+  using Cfg = TileConfig<256, kPipeStages, Major::kMN, Major::kMN, C>;
 
   using Problem = WgradProblemParams;
   using Params = WgradParams;
@@ -145,7 +145,7 @@ struct WgradKind {
     const CUtensorMap* map = &pr.out;
     const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
     const int cols = pr.n, rows = pr.m;
-    store_round<16 * Half>(
+    store_round<16 * Half, Half>(
         ctx, [&](int i) { return __float_as_uint(acc(i)); },
         [&](uint8_t* box, int b) {
           if (col0 + 64 * b < cols && row0 < rows) {

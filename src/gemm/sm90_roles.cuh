@@ -172,7 +172,7 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
 struct EpiCtx {
   int wg;      // consumer warpgroup: tile rows [64*wg, 64*wg + 64)
   int tid;     // thread in the warpgroup
-  uint8_t* stage;  // this warpgroup's 16 KiB staging buffer (two 64x64 SW128 boxes)
+  uint8_t* stage;  // this warpgroup's staging: kEpiBuffers x 16 KiB (two 64x64 SW128 boxes each)
   uint32_t stage_saddr;  // its shared-window address
 
   __device__ int lane() const { return tid % 32; }
@@ -196,12 +196,20 @@ __device__ inline uint32_t staged_offset(const EpiCtx& ctx, int jj, int v1) {
 }
 
 // One store round: the warpgroup writes 64 rows x 128 columns (column pairs of fragment
-// blocks J0..J0+15, values from pair(i) = packed bf16x2 of fragment values i, i+1) into its
-// staging boxes, then one thread stores them with `issue(box_smem, box)`. The staging
-// buffer is reused only after the previous round's TMA reads finished.
-template <int J0, class PairFn, class IssueFn>
+// blocks J0..J0+15, values from pair(i) = packed bf16x2 of fragment values i, i+1) into a
+// staging buffer, then one thread stores it with `issue(box_smem, box)`. Round (0, 1, ... within
+// the tile's epilogue, compile-time) picks the buffer, Round % kEpiBuffers. A buffer is reused
+// only after the TMA reads of the round that last used it finished: with one buffer that is
+// the previous round; with two the round before it, except in round 0, whose predecessor may
+// be the previous tile's last round in the same buffer (its stores finished during this
+// tile's K loop, so that wait costs nothing).
+template <int J0, int Round, class PairFn, class IssueFn>
 __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue) {
-  if (ctx.tid == 0) cute::tma_store_wait<0>();
+  constexpr uint32_t kBufBytes = 2 * 64 * kBoxInner * 2;
+  constexpr uint32_t kBuf = static_cast<uint32_t>(Round % kEpiBuffers);
+  uint8_t* const stage = ctx.stage + kBuf * kBufBytes;
+  const uint32_t stage_saddr = ctx.stage_saddr + kBuf * kBufBytes;
+  if (ctx.tid == 0) cute::tma_store_wait<(Round == 0 ? 0 : kEpiBuffers - 1)>();
   named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
@@ -209,14 +217,14 @@ __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue
     for (int v1 = 0; v1 < 2; ++v1) {
       const int i = 4 * (J0 + jj) + 2 * v1;
       const uint32_t bits = pair(i);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(ctx.stage_saddr + staged_offset(ctx, jj, v1)), "r"(bits));
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(stage_saddr + staged_offset(ctx, jj, v1)), "r"(bits));
     }
   }
   cute::tma_store_fence();  // make the generic-proxy smem writes visible to the TMA unit
   named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
   if (ctx.tid == 0) {
-    issue(ctx.stage, 0);
-    issue(ctx.stage + 8192, 1);
+    issue(stage, 0);
+    issue(stage + 8192, 1);
     cute::tma_store_arrive();
   }
 }
