@@ -51,18 +51,6 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
 // the CTA's own tile count), each a whole 128 x BN tile with a 128 x BN accumulator, and
 // skips the ring positions of the other warpgroup's tiles. The producer is unchanged (it
 // loads every tile of the CTA in order); a stage is released by the warpgroup that read it.
-// The K loops run in tile order (a named-barrier handshake: a warpgroup starts tile j's K loop
-// after the other finished tile j-1's), so one warpgroup's epilogue overlaps the other's K
-// loop, and a warpgroup never waits on a ring position whose previous use is still unfilled
-// (an mbarrier parity wait two phases ahead would pass at once on the old phase).
-__device__ inline void pingpong_wait_turn(int wg) {
-  named_barrier_sync(static_cast<uint32_t>(wg == 0 ? NamedBarrier::kOrderAfterWG1 : NamedBarrier::kOrderAfterWG0),
-                     2 * kWarpGroupThreads);
-}
-__device__ inline void pingpong_pass_turn(int wg) {
-  named_barrier_arrive(static_cast<uint32_t>(wg == 0 ? NamedBarrier::kOrderAfterWG0 : NamedBarrier::kOrderAfterWG1),
-                       2 * kWarpGroupThreads);
-}
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
                                   int cta, int ctas) {
@@ -88,9 +76,8 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
 
   PipeState<Cfg::kStages> st;
   const int tiles = sched.num_tiles();
-  int local = 0, t = cta;
-  // Every pass_turn has a matching wait_turn: a turn is passed only when the CTA has a next tile.
-  for (; t < tiles; t += ctas, ++local) {
+  int local = 0;
+  for (int t = cta; t < tiles; t += ctas, ++local) {
     const auto tile = Kind::tile(p, sched, t, 0);
     const int k_steps = Kind::k_steps(p, tile);
     if ((local & 1) != wg) {
@@ -98,21 +85,8 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
       continue;
     }
     Kind::seed(p, tile, ctx, acc);
-    if (local > 0) pingpong_wait_turn(wg);
-    const bool ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid);
-    if (t + ctas < tiles) pingpong_pass_turn(wg);
-    if (!ok) {
-      t += ctas, ++local;
-      break;
-    }
+    if (!mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid)) break;
     Kind::epilogue(p, tile, ctx, acc);
-  }
-  // After a timed-out wait: keep the turn handshake for this warpgroup's remaining tiles (no
-  // ring waits), so the other warpgroup never blocks on a named barrier.
-  for (; t < tiles; t += ctas, ++local) {
-    if ((local & 1) != wg) continue;
-    if (local > 0) pingpong_wait_turn(wg);
-    if (t + ctas < tiles) pingpong_pass_turn(wg);
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();
 }
