@@ -7,9 +7,12 @@
 // the other ranks' rows (NVLink) and one for the own rows (role.remote_ctas, role_types.hpp).
 //
 //   dispatch_pull      rows of this rank's expert-major buffer <- owners' x (NVLink loads),
-//                      padding rows zeroed, per-minibatch ready counters raised (release)
-//   combine_push       expert-output rows -> owner's slot (token, k) (NVLink stores)
-//   topk_sum_epilogue  y[t] = bf16(fmaf chain over k of topk_w * slot, from the shared output or 0)
+//                      padding rows zeroed, per-minibatch ready counters raised (release);
+//                      dedup: each (token, rank) read once and stored to all its rows (fan-out)
+//   combine_push       expert-output rows -> owner's slot (token, k) (NVLink stores); in place:
+//                      only other ranks' rows, over the schedule's remote-row list (all warps)
+//   topk_sum_epilogue  y[t] = bf16(fmaf chain over k of topk_w * slot (or the own expert_out
+//                      row), from the shared output or 0)
 //
 // Engines (CopyEngine, role_types.hpp): kWarp = 16-byte vectors through registers (WarpShape:
 // rows at once x vectors per row in flight per lane), each warp fetching its rows' entries in
