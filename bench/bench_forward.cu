@@ -214,7 +214,7 @@ struct RankResult {
   std::map<int, double> fused_tiles_ms;  // in-place combine by row tiles per CTA (--tiles 1)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
-  int64_t plain_vs_fused = 0;
+  int64_t variants_vs_fused = 0;  // mismatching elements of y over every --plain / --tiles pass
 };
 
 RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
@@ -232,44 +232,31 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   const ForwardArgs args = L.args();
   comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
 
-  // Fused, sweeping the communication CTAs.
-  for (int c : o.comm) {
-    megakernel::FusedForwardOptions fo;
-    fo.comm_ctas = c;
-    fo.timeout_s = cfg.wait_timeout_s;
-    res.fused_ms[c] = time_ms(o, sync, st, [&] {
-      schedule(*ws, L.topk_idx.get(), st);
-      megakernel::fused_forward(state, buf, args, w, fo, st);
-    });
-    impl.last_stream = st;
-    ws->check();
-  }
+  // Fused, sweeping the communication CTAs: the defaults, then the variants (--plain, --tiles),
+  // whose y is compared with the default's.
+  auto sweep_fused = [&](std::map<int, double>& ms, auto configure, bool compare) {
+    for (int c : o.comm) {
+      megakernel::FusedForwardOptions fo;
+      fo.comm_ctas = c;
+      fo.timeout_s = cfg.wait_timeout_s;
+      configure(fo);
+      ms[c] = time_ms(o, sync, st, [&] {
+        schedule(*ws, L.topk_idx.get(), st);
+        megakernel::fused_forward(state, buf, args, w, fo, st);
+      });
+      impl.last_stream = st;
+      ws->check();
+      if (compare) res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+    }
+  };
+  sweep_fused(res.fused_ms, [](megakernel::FusedForwardOptions&) {}, false);
   MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
-  for (int c : o.plain ? o.comm : std::vector<int>{}) {
-    megakernel::FusedForwardOptions fo;
-    fo.comm_ctas = c;
-    fo.timeout_s = cfg.wait_timeout_s;
-    fo.dedup = fo.own_rows_in_place = false;
-    res.fused_plain_ms[c] = time_ms(o, sync, st, [&] {
-      schedule(*ws, L.topk_idx.get(), st);
-      megakernel::fused_forward(state, buf, args, w, fo, st);
-    });
-    impl.last_stream = st;
-    ws->check();
-    res.plain_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  if (o.plain) {
+    sweep_fused(res.fused_plain_ms, [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = false; },
+                true);
   }
-  for (int c : o.tiles ? o.comm : std::vector<int>{}) {
-    megakernel::FusedForwardOptions fo;
-    fo.comm_ctas = c;
-    fo.timeout_s = cfg.wait_timeout_s;
-    fo.combine_remote_list = false;
-    res.fused_tiles_ms[c] = time_ms(o, sync, st, [&] {
-      schedule(*ws, L.topk_idx.get(), st);
-      megakernel::fused_forward(state, buf, args, w, fo, st);
-    });
-    impl.last_stream = st;
-    ws->check();
-    res.plain_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  if (o.tiles) {
+    sweep_fused(res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }, true);
   }
 
   megakernel::StagedForwardOptions so;
@@ -373,27 +360,26 @@ int main(int argc, char** argv) {
       sweep << (sweep.tellp() > 0 ? ", " : "") << "\"fwd_ms_comm" << c << "\": " << fmt(ms);
       if (ms < best) best = ms, best_comm = c;
     }
-    double best_plain = 0;
-    for (int c : o.plain ? o.comm : std::vector<int>{}) {
-      const double ms = worst([&](const RankResult& r) { return r.fused_plain_ms.at(c); });
-      sweep << ", \"fwd_plain_ms_comm" << c << "\": " << fmt(ms);
-      if (best_plain == 0 || ms < best_plain) best_plain = ms;
-    }
-    double best_tiles = 0;
-    for (int c : o.tiles ? o.comm : std::vector<int>{}) {
-      const double ms = worst([&](const RankResult& r) { return r.fused_tiles_ms.at(c); });
-      sweep << ", \"fwd_tiles_ms_comm" << c << "\": " << fmt(ms);
-      if (best_tiles == 0 || ms < best_tiles) best_tiles = ms;
-    }
+    // A variant's sweep (fwd_<name>_ms_commC) and its best time, 0 when it did not run.
+    auto variant = [&](bool ran, const char* name, std::map<int, double> RankResult::*ms_of) {
+      double best_v = 0;
+      for (int c : ran ? o.comm : std::vector<int>{}) {
+        const double ms = worst([&](const RankResult& r) { return (r.*ms_of).at(c); });
+        sweep << ", \"fwd_" << name << "_ms_comm" << c << "\": " << fmt(ms);
+        if (best_v == 0 || ms < best_v) best_v = ms;
+      }
+      if (ran) sweep << ", \"fwd_" << name << "_ms\": " << fmt(best_v);
+      return best_v;
+    };
+    const double best_plain = variant(o.plain, "plain", &RankResult::fused_plain_ms);
+    const double best_tiles = variant(o.tiles, "tiles", &RankResult::fused_tiles_ms);
+    bool ps = true;
+    for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
+    if (o.plain || o.tiles) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.tiles) {
-      sweep << ", \"fwd_tiles_ms\": " << fmt(best_tiles);
       std::printf("%-7s in-place combine by row tiles per CTA: best %.3f ms\n", o.shapes[i].c_str(), best_tiles);
     }
-    bool ps = true;
-    for (const auto& r : res[i]) ps &= r.plain_vs_fused == 0;
-    if (o.plain || o.tiles) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.plain) {
-      sweep << ", \"fwd_plain_ms\": " << fmt(best_plain);
       std::printf("%-7s copy modes off (plain dispatch, all-slots combine): best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), best_plain, ps ? "yes" : "NO");
     }
