@@ -55,22 +55,44 @@ void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
+DispatchRole CommState::dispatch_role(bool dedup) const {
+  DispatchRole r;
+  r.peers = peers();
+  r.x_offset = layout_.x;
+  r.row_bytes = shape_.hidden * 2;
+  r.header = schedule_->header.get();
+  r.rows = schedule_->rows.get();
+  r.row_buffer = reinterpret_cast<char*>(row_buffer_.get());
+  r.ready = ready_counters();
+  r.tile_done = tile_flags();
+  r.tiles_per_minibatch = schedule_->minibatch / kRowTile;
+  r.dedup = dedup;
+  r.wait = wait_context();
+  r.dest_row = schedule_->dest_row.get();
+  r.tokens = shape_.tokens;
+  r.topk = shape_.topk;
+  return r;
+}
+
+CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place) const {
+  CombineRole r;
+  r.peers = peers();
+  r.slots_offset = layout_.slots;
+  r.row_bytes = shape_.hidden * 2;
+  r.topk = shape_.topk;
+  r.header = schedule_->header.get();
+  r.rows = schedule_->rows.get();
+  r.expert_out = reinterpret_cast<const char*>(expert_out);
+  r.own_rows_in_place = own_rows_in_place;
+  r.remote_rows = schedule_->remote_rows.get();
+  r.remote_count = schedule_->remote_count.get();
+  r.wait = wait_context();
+  return r;
+}
+
 DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
   DispatchLaunch l;
-  l.role.peers = peers();
-  l.role.x_offset = layout_.x;
-  l.role.row_bytes = shape_.hidden * 2;
-  l.role.header = schedule_->header.get();
-  l.role.rows = schedule_->rows.get();
-  l.role.row_buffer = reinterpret_cast<char*>(row_buffer_.get());
-  l.role.ready = ready_counters();
-  l.role.tile_done = tile_flags();
-  l.role.tiles_per_minibatch = schedule_->minibatch / kRowTile;
-  l.role.dedup = dedup;
-  l.role.wait = wait_context();
-  l.role.dest_row = schedule_->dest_row.get();
-  l.role.tokens = shape_.tokens;
-  l.role.topk = shape_.topk;
+  l.role = dispatch_role(dedup);
   l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
   l.ctas = ctas;
   l.counters = counters_.get();
@@ -84,17 +106,7 @@ void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
 
 CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place) {
   CombineLaunch l;
-  l.role.peers = peers();
-  l.role.slots_offset = layout_.slots;
-  l.role.row_bytes = shape_.hidden * 2;
-  l.role.topk = shape_.topk;
-  l.role.header = schedule_->header.get();
-  l.role.rows = schedule_->rows.get();
-  l.role.expert_out = reinterpret_cast<const char*>(expert_out);
-  l.role.own_rows_in_place = own_rows_in_place;
-  l.role.remote_rows = schedule_->remote_rows.get();
-  l.role.remote_count = schedule_->remote_count.get();
-  l.role.wait = wait_context();
+  l.role = combine_role(expert_out, own_rows_in_place);
   l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
   l.ctas = ctas;
   return l;

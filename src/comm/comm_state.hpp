@@ -45,6 +45,10 @@ class CommState {
   // engine or split (tests, benchmarks) before launch_dispatch/launch_combine. Each consumes
   // one barrier epoch: launch it exactly once, on every rank.
   DispatchLaunch dispatch_launch(int ctas, bool dedup);
+  // The roles alone (no barrier epoch consumed): what dispatch_launch / combine_launch carry,
+  // and what the fused kernel runs beside its own barriers.
+  DispatchRole dispatch_role(bool dedup) const;
+  CombineRole combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place) const;
   CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place);
   // Push expert_out [buffer_rows, H] rows to their slots, then barrier. own_rows_in_place: only
   // the rows of other ranks' tokens move; the epilogue must then be given the same expert_out.

@@ -181,38 +181,13 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.wait = state.wait_context();
   p.comm_ctas = o.comm_ctas;
 
-  comm::DispatchRole& d = p.dispatch;  // as CommState::dispatch
-  d.peers = state.peers();
-  d.x_offset = state.layout().x;
-  d.row_bytes = H * 2;
-  d.header = p.view.header;
-  d.rows = p.view.rows;
-  d.row_buffer = reinterpret_cast<char*>(state.row_buffer());
-  d.ready = state.ready_counters();
-  d.tile_done = state.tile_flags();
-  d.tiles_per_minibatch = p.view.minibatch / kRowTile;
-  d.dedup = o.dedup;  // fan-out: no waits on other tiles, so it is safe beside the GEMM CTAs
-  d.dest_row = p.view.dest_row;
-  d.tokens = s.tokens;
-  d.topk = s.topk;
-  d.wait = p.wait;
-
-  comm::CombineRole& c = p.combine;  // as CommState::combine, gated per row tile by GEMM 2
-  c.peers = state.peers();
-  c.slots_offset = state.layout().slots;
-  c.row_bytes = H * 2;
-  c.topk = s.topk;
-  c.header = p.view.header;
-  c.rows = p.view.rows;
-  c.expert_out = reinterpret_cast<const char*>(b.expert_out.get());
+  // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
+  p.dispatch = state.dispatch_role(o.dedup);
+  comm::CombineRole& c = p.combine;  // gated per row tile by GEMM 2
+  c = state.combine_role(b.expert_out.get(), o.own_rows_in_place);
   c.out_ready = p.g2_done;
   c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
-  c.own_rows_in_place = o.own_rows_in_place;
-  if (o.combine_remote_list) {
-    c.remote_rows = p.view.remote_rows;
-    c.remote_count = p.view.remote_count;
-  }
-  c.wait = p.wait;
+  if (!o.combine_remote_list) c.remote_rows = c.remote_count = nullptr;
   // Barrier epochs in the order every rank issues them.
   p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};
   p.combine_done = comm::GroupBarrier{
