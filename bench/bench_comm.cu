@@ -10,9 +10,9 @@
 // the EP>=2 figures were not measured.
 //
 //   bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 20] [--out file.json]
-//              [--dispatch warp,warp_dedup,warp_dedup_r50,hybrid,bulk,bulk_dedup]
+//              [--dispatch warp,warp_dedup,warp_dedup_r50,token_major,hybrid,bulk,bulk_dedup]
 //              [--combine warp,warp_inplace,hybrid,bulk]
-//              [--copy pull_warp,push_warp,pull_bulk,push_bulk] [--split 33,50,67]
+//              [--copy pull_warp,push_warp,pull_bulk,push_bulk,pull_warp_min] [--split 33,50,67]
 //
 // --split P,...: for each P also the kWarp dispatch and combine with the CTA split
 // (role.remote_ctas = P % of the comm CTAs, rounded, in [1, n-1], move the other ranks' rows,
@@ -22,7 +22,11 @@
 // the same with the CTA split. warp_inplace: the layer's combine (own_rows_in_place: only other
 // ranks' rows move, split evenly over all comm warps by the schedule's remote-row list; the
 // epilogue then reads the own rows in place, timed as epilogue_in_place_ms); warp_inplace_tiles
-// the same by row tiles per CTA.
+// the same by row tiles per CTA. token_major: the fused forward's dispatch (each distinct
+// (token, other rank) lands once in a token-major receive buffer; GEMM 1 gathers from it), whose
+// same-pattern baselines are pull_warp_min (a plain pull of exactly those bytes, one segment per
+// peer) and NCCL all-to-all of those bytes (nccl_a2a_min, own share excluded: nothing is copied
+// for the own rank).
 //
 // Bytes, per rank and one way: `dispatch_bytes_moved` = rows from other ranks, one per (token, k)
 // (what crosses NVLink in the plain dispatch and in combine), `dispatch_bytes_min` = distinct
@@ -73,9 +77,9 @@ struct Options {
   int ep = 0;  // 0 = every local GPU
   std::vector<int> ctas{8, 16, 24, 32};
   int iters = 20, warmup = 3;
-  std::vector<std::string> dispatch{"warp", "warp_dedup", "warp_dedup_r50", "hybrid", "bulk", "bulk_dedup"};
+  std::vector<std::string> dispatch{"warp", "warp_dedup", "warp_dedup_r50", "token_major", "hybrid", "bulk", "bulk_dedup"};
   std::vector<std::string> combine{"warp", "warp_inplace", "warp_inplace_tiles", "hybrid", "bulk"};
-  std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk"};
+  std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk", "pull_warp_min"};
   std::vector<int> split;  // remote CTA percentages (warp_rP variants)
   std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
 };
@@ -120,6 +124,8 @@ struct Variant {
   int split_pct = 0;   // kWarp: remote CTAs in % of the comm CTAs (0: unsplit, -1: kRemoteCtasAuto)
   bool in_place = false;  // combine: own_rows_in_place (only other ranks' rows move)
   bool tiles = false;     // in-place combine by row tiles per CTA instead of the remote-row list
+  bool token_major = false;  // dispatch: token-major landing (NVLink moves dispatch_bytes_min)
+  bool min_bytes = false;    // copy: the distinct (token, rank) bytes only (dispatch_bytes_min)
 };
 
 // role.remote_ctas of a variant at `ctas` comm CTAs.
@@ -132,10 +138,18 @@ int remote_ctas_of(const Variant& v, int ctas) {
 bool lookup(Kind kind, const std::string& name, Variant& v) {
   v = Variant{kind, name};
   if (kind == Kind::kCopy) {
+    if (name == "pull_warp_min") {
+      v.min_bytes = true;
+      return true;
+    }
     if (name != "pull_warp" && name != "push_warp" && name != "pull_bulk" && name != "push_bulk") return false;
     v.push = name.rfind("push", 0) == 0;
     v.bulk = name.find("bulk") != std::string::npos;
     v.risky = v.bulk;
+    return true;
+  }
+  if (name == "token_major" && kind == Kind::kDispatch) {
+    v.token_major = v.dedup = true;
     return true;
   }
   if (name == "warp" || name == "warp_dedup") v.engine = CopyEngine::kWarp;
@@ -254,7 +268,7 @@ __global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1)
 
 // ---- launches as CommState::dispatch / combine, with the engine chosen --------------------------
 void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stream) {
-  comm::DispatchLaunch l = st.dispatch_launch(ctas, v.dedup);
+  comm::DispatchLaunch l = st.dispatch_launch(ctas, v.dedup, v.token_major);
   l.role.engine = v.engine;
   l.role.remote_ctas = remote_ctas_of(v, ctas);
   comm::launch_dispatch(l, stream);
@@ -280,12 +294,12 @@ struct Shared {
   LayerShape shape;
   std::vector<Point> points;
   std::vector<RowStats> stats;
-  std::vector<double> nccl_ms, epilogue_ms, epilogue_in_place_ms, schedule_ms;
+  std::vector<double> nccl_ms, nccl_min_ms, epilogue_ms, epilogue_in_place_ms, schedule_ms;
   std::atomic<bool> failed{false};
   std::string failure;
   std::barrier<> sync;
   Shared(const Options& opt, const LayerShape& s, std::vector<Point> p)
-      : o(opt), shape(s), points(std::move(p)), stats(s.ep), nccl_ms(s.ep), epilogue_ms(s.ep),
+      : o(opt), shape(s), points(std::move(p)), stats(s.ep), nccl_ms(s.ep), nccl_min_ms(s.ep), epilogue_ms(s.ep),
         epilogue_in_place_ms(s.ep), schedule_ms(s.ep),
         sync(s.ep) {}
 };
@@ -300,7 +314,8 @@ std::string fmt(double v) {
 void write_json(Shared& sh, const std::string& command);
 
 void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32_t>>& routing,
-              const std::vector<std::vector<int64_t>>& pair_rows, bootstrap::LocalRank& lr, const std::string& command) {
+              const std::vector<std::vector<int64_t>>& pair_rows, const std::vector<std::vector<int64_t>>& pair_tokens,
+              bootstrap::LocalRank& lr, const std::string& command) {
   const Options& o = sh.o;
   const LayerShape& shape = sh.shape;
   const int ep = shape.ep, r = lr.rank;
@@ -343,7 +358,7 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
 
   // Plain copies: from / to each peer s, the bytes dispatch pulls from s (= combine pushes to
   // s at EP=2). Pull: s's combine-slot region -> the row buffer; push: row buffer -> s's slots.
-  CopySegments pull, push;
+  CopySegments pull, push, pull_min;
   int64_t off = 0;
   for (int s = 0; s < ep; ++s) {
     if (ep > 1 && s == r) continue;  // EP=1: the self-copy variant
@@ -352,6 +367,8 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     char* local = reinterpret_cast<char*>(st.row_buffer()) + off;
     pull.src[pull.n] = peer, pull.dst[pull.n] = local, pull.bytes[pull.n] = bytes, ++pull.n;
     push.src[push.n] = local, push.dst[push.n] = peer, push.bytes[push.n] = bytes, ++push.n;
+    pull_min.src[pull_min.n] = peer, pull_min.dst[pull_min.n] = local;
+    pull_min.bytes[pull_min.n++] = pair_tokens[s][r] * row_bytes;  // distinct tokens of s this rank needs
     off += bytes;
   }
   const uint32_t copy_smem = comm::BulkConfig::kSmemBytes;
@@ -390,6 +407,30 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     });
     stop_if_failed("nccl");
   }
+  if (!sh.failed && ep > 1) {
+    // NCCL all-to-all of the distinct (token, rank) rows: what the token-major dispatch moves.
+    int64_t send_total = 0, recv_total = 0;
+    for (int p = 0; p < ep; ++p) {
+      if (p == r) continue;
+      send_total += pair_tokens[r][p] * row_bytes;
+      recv_total += pair_tokens[p][r] * row_bytes;
+    }
+    comm::DeviceBuffer<char> sendbuf(send_total), recvbuf(recv_total);
+    sh.nccl_min_ms[r] = time_ms(o, sh.sync, stream, [&] {
+      MOK_NCCL_CHECK(ncclGroupStart());
+      int64_t so = 0, ro = 0;
+      for (int p = 0; p < ep; ++p) {
+        if (p == r) continue;
+        const int64_t sbytes = pair_tokens[r][p] * row_bytes, rbytes = pair_tokens[p][r] * row_bytes;
+        MOK_NCCL_CHECK(ncclSend(sendbuf.get() + so, sbytes, ncclChar, p, lr.comm, stream));
+        MOK_NCCL_CHECK(ncclRecv(recvbuf.get() + ro, rbytes, ncclChar, p, lr.comm, stream));
+        so += sbytes;
+        ro += rbytes;
+      }
+      MOK_NCCL_CHECK(ncclGroupEnd());
+    });
+    stop_if_failed("nccl (distinct rows)");
+  }
   if (!sh.failed) {
     sh.schedule_ms[r] = time_ms(o, sh.sync, stream, [&] { schedule(*ws, topk.get(), stream); });
     sh.epilogue_ms[r] = time_ms(o, sh.sync, stream, [&] { st.epilogue(topk_w.get(), nullptr, nullptr, y.get(), stream); });
@@ -402,7 +443,7 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     const Variant& v = p.v;
     const int c = p.ctas;
     if (v.kind == Kind::kCopy) {
-      const CopySegments& seg = v.push ? push : pull;
+      const CopySegments& seg = v.min_bytes ? pull_min : v.push ? push : pull;
       p.ms[r] = time_ms(o, sh.sync, stream, [&] {
         if (v.bulk) {
           copy_bulk_kernel<<<c, comm::CommCtaConfig::kThreads, copy_smem, stream>>>(seg, static_cast<uint32_t>(row_bytes),
@@ -421,7 +462,8 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     if (stop_if_failed(what.c_str())) break;
     if (r == 0) {
       const RowStats& s0 = sh.stats[0];
-      const double nv = static_cast<double>(v.dedup ? s0.remote_first : (ep > 1 ? s0.remote : s0.self)) * row_bytes;
+      const double nv =
+          static_cast<double>(v.dedup || v.min_bytes ? s0.remote_first : (ep > 1 ? s0.remote : s0.self)) * row_bytes;
       std::printf("  %-8s %-11s ctas %2d  %7.3f ms  %6.1f GB/s (NVLink bytes of rank 0)\n", kind_name(v.kind),
                   v.name.c_str(), c, p.worst(), nv / p.worst() / 1e6);
       std::fflush(stdout);
@@ -447,6 +489,7 @@ Best best_of(const Shared& sh, Kind kind, int max_ctas, bool dedup, const std::s
   Best b;
   for (const Point& p : sh.points) {
     if (p.v.kind != kind || p.ctas > max_ctas || p.v.dedup != dedup) continue;
+    if ((p.v.token_major || p.v.min_bytes) != (only == "token_major" || only == "pull_warp_min")) continue;
     if (in_place >= 0 && p.v.in_place != (in_place == 1)) continue;
     if (!only.empty() && p.v.name != only) continue;
     const double ms = p.worst();
@@ -467,7 +510,7 @@ void write_json(Shared& sh, const std::string& command) {
   }
   const double moved = (ep > 1 ? w.remote : w.self) * rb;          // plain dispatch / combine / copies / NCCL remote
   const double minimum = (ep > 1 ? w.remote_first : w.self_first) * rb;  // dedup dispatch
-  auto nvlink_bytes = [&](const Point& p) { return p.v.dedup ? minimum : moved; };
+  auto nvlink_bytes = [&](const Point& p) { return p.v.dedup || p.v.min_bytes ? minimum : moved; };
   auto worst = [&](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
   const double nccl_ms = sh.failed ? NAN : worst(sh.nccl_ms);
   // The layer's dispatch / combine: the fastest variant at <= 24 CTAs of any kind (the defaults
@@ -478,6 +521,10 @@ void write_json(Shared& sh, const std::string& command) {
   const Best c = ci.ms < cs.ms ? ci : cs;
   const Best d0 = best_of(sh, Kind::kDispatch, 24, false, "warp"), c0 = best_of(sh, Kind::kCombine, 24, false, "warp");
   const Best pw = best_of(sh, Kind::kCopy, 1 << 30, false, "pull_warp");
+  // Token-major dispatch and its same-pattern baselines (distinct (token, rank) bytes).
+  const Best dt = best_of(sh, Kind::kDispatch, 24, true, "token_major");
+  const Best pm = best_of(sh, Kind::kCopy, 1 << 30, false, "pull_warp_min");
+  const double nccl_min_ms = sh.failed || ep < 2 ? NAN : worst(sh.nccl_min_ms);
   const Best cp = best_of(sh, Kind::kCopy, 1 << 30, false);
   auto gbps = [&](double bytes, double ms) { return bytes / ms / 1e6; };
 
@@ -512,6 +559,12 @@ void write_json(Shared& sh, const std::string& command) {
   if (dp.p) std::printf("best plain dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", dp.p->v.name.c_str(), dp.p->ctas, dp.ms, gbps(moved, dp.ms));
   if (dd.p) std::printf("best dedup dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s NVLink, %.1f GB/s of (token, k) rows delivered)\n",
                         dd.p->v.name.c_str(), dd.p->ctas, dd.ms, gbps(minimum, dd.ms), gbps(moved, dd.ms));
+  if (dt.p) {
+    std::printf("best token-major dispatch <= 24 CTAs: @%d %.3f ms = %.1f GB/s NVLink of %.1f MB; same bytes: pull copy "
+                "%.3f ms (%.1f GB/s, %.3fx), NCCL all-to-all %.3f ms (%.1f GB/s, %.3fx)\n",
+                dt.p->ctas, dt.ms, gbps(minimum, dt.ms), minimum / 1e6, pm.ms, gbps(minimum, pm.ms),
+                pm.ms / dt.ms, nccl_min_ms, gbps(minimum, nccl_min_ms), nccl_min_ms / dt.ms);
+  }
   if (cs.p) std::printf("best combine into every slot <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", cs.p->v.name.c_str(), cs.p->ctas, cs.ms, gbps(moved, cs.ms));
   if (ci.p) std::printf("best combine, own rows in place, <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", ci.p->v.name.c_str(), ci.p->ctas, ci.ms, gbps(moved, ci.ms));
   if (!sh.failed) {
@@ -562,7 +615,12 @@ void write_json(Shared& sh, const std::string& command) {
     << ", \"self_bytes\": " << static_cast<int64_t>(w.self * rb) << ", \"padding_bytes\": " << static_cast<int64_t>(w.padding * rb)
     << ", \"epilogue_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_ms))
     << ", \"epilogue_in_place_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_in_place_ms))
-    << ", \"schedule_ms\": " << fmt(sh.failed ? NAN : worst(sh.schedule_ms)) << "},\n  \"sweep\": [\n    " << sweep.str()
+    << ", \"schedule_ms\": " << fmt(sh.failed ? NAN : worst(sh.schedule_ms))
+    << ",\n    \"dispatch_token_major_ms\": " << fmt(dt.ms) << ", \"dispatch_token_major_ctas\": " << ctas_of(dt)
+    << ", \"dispatch_token_major_GBps\": " << fmt(gbps(minimum, dt.ms))
+    << ", \"p2p_copy_min_ms\": " << fmt(pm.ms) << ", \"p2p_copy_min_GBps\": " << fmt(gbps(minimum, pm.ms))
+    << ", \"p2p_copy_min_ctas\": " << ctas_of(pm) << ", \"nccl_a2a_min_ms\": " << fmt(nccl_min_ms)
+    << ", \"nccl_a2a_min_GBps\": " << fmt(gbps(minimum, nccl_min_ms)) << "},\n  \"sweep\": [\n    " << sweep.str()
     << "]\n}]";
   std::ofstream f(sh.o.out);
   f << bench::record_envelope(command, j.str());
@@ -585,8 +643,14 @@ int main(int argc, char** argv) {
   cfg.wait_timeout_s = 2.0;  // a broken variant stops the sweep in seconds
   const auto routing = megakernel::uniform_routing(shape, 2026);
   std::vector<std::vector<int64_t>> pair_rows(ep, std::vector<int64_t>(ep, 0));  // [src][dst]
+  std::vector<std::vector<int64_t>> pair_tokens(ep, std::vector<int64_t>(ep, 0));  // distinct tokens [src][dst]
   for (int s = 0; s < ep; ++s) {
     for (int32_t e : routing[s]) ++pair_rows[s][shape.owner_rank(e)];
+    for (int64_t t = 0; t < shape.tokens; ++t) {
+      std::vector<char> to(ep, 0);
+      for (int k = 0; k < shape.topk; ++k) to[shape.owner_rank(routing[s][t * shape.topk + k])] = 1;
+      for (int d = 0; d < ep; ++d) pair_tokens[s][d] += to[d];
+    }
   }
   std::vector<Point> points;
   for (const Variant& v : plan(o)) {
@@ -598,7 +662,7 @@ int main(int argc, char** argv) {
   std::printf("bench_comm: EP=%d (%d GPU(s) visible), %zu points\n", ep, gpus, sh.points.size());
   bootstrap::run_local_ranks(devices, [&](bootstrap::LocalRank& lr) {
     try {
-      run_rank(sh, cfg, routing, pair_rows, lr, command);
+      run_rank(sh, cfg, routing, pair_rows, pair_tokens, lr, command);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank %d: %s\n", lr.rank, e.what());
       if (!sh.failed.exchange(true)) sh.failure = e.what();

@@ -55,7 +55,14 @@ void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
-DispatchRole CommState::dispatch_role(bool dedup) const {
+__nv_bfloat16* CommState::recv_buffer() {
+  if (recv_buffer_.size() == 0) {
+    recv_buffer_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(shape_.ep) * shape_.tokens * shape_.hidden);
+  }
+  return recv_buffer_.get();
+}
+
+DispatchRole CommState::dispatch_role(bool dedup, bool token_major) {
   DispatchRole r;
   r.peers = peers();
   r.x_offset = layout_.x;
@@ -71,6 +78,13 @@ DispatchRole CommState::dispatch_role(bool dedup) const {
   r.dest_row = schedule_->dest_row.get();
   r.tokens = shape_.tokens;
   r.topk = shape_.topk;
+  if (token_major) {
+    r.token_major = true;
+    r.recv = reinterpret_cast<char*>(recv_buffer());
+    r.land_rows = schedule_->land_rows.get();
+    r.land_count = schedule_->land_count.get();
+    r.minibatch_rows = schedule_->minibatch;
+  }
   return r;
 }
 
@@ -90,9 +104,9 @@ CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_ro
   return r;
 }
 
-DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
+DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, bool token_major) {
   DispatchLaunch l;
-  l.role = dispatch_role(dedup);
+  l.role = dispatch_role(dedup, token_major);
   l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
   l.ctas = ctas;
   l.counters = counters_.get();
@@ -102,6 +116,10 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
 
 void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
   launch_dispatch(dispatch_launch(ctas, dedup), stream);
+}
+
+void CommState::dispatch_token_major(int ctas, cudaStream_t stream) {
+  launch_dispatch(dispatch_launch(ctas, false, true), stream);
 }
 
 CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place) {

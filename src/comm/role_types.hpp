@@ -78,7 +78,21 @@ struct DispatchRole {
   // needs ~16 CTAs, too many to leave enough for the local rows at <= 24 (docs/comm.md).
   // Without dedup the split completes a tile in two CTAs: tile_done counts them (zeroed before).
   int32_t remote_ctas = 0;
+  // Token-major dispatch (the fused forward's gather path, docs/comm.md): each other rank's
+  // token that this rank needs lands ONCE in `recv` ([ep * T, H], local) at row
+  // src_rank * T + token, from the schedule's landing list (ScheduleView::land_rows; comm warp w
+  // of all takes entries w, w + warps, ...); own tokens are not copied and row_buffer is not
+  // written: GEMM 1 gathers its A rows from x and recv. ready[m] += 1 per landed entry whose
+  // row lies in minibatch m (target ScheduleView::mb_land[m]). Overrides dedup.
+  bool token_major = false;
+  char* recv = nullptr;
+  const int32_t* land_rows = nullptr;
+  const int32_t* land_count = nullptr;
+  int64_t minibatch_rows = 0;  // rows per minibatch (ScheduleView::minibatch)
 };
+
+// Row `token` of rank `src` in the token-major receive buffer.
+MOK_HD inline int64_t recv_row(int src, int64_t token, int64_t tokens) { return src * tokens + token; }
 
 struct CombineRole {
   PeerMap peers;

@@ -27,6 +27,14 @@ __global__ void __launch_bounds__(Cta::kThreads, 1)
   }
 }
 
+// Token-major dispatch (DispatchRole::token_major): its own kernel, for the same reason.
+__global__ void __launch_bounds__(Cta::kThreads, 1)
+    dispatch_land_kernel(const DispatchRole role, const GroupBarrier start) {
+  if (!group_barrier(start, gridDim.x, role.peers, role.wait)) return;
+  if (role.header->status != static_cast<int32_t>(Status::kOk)) return;
+  dispatch_land_warps<StandaloneWarps>(role, blockIdx.x, gridDim.x);
+}
+
 template <CopyEngine E>
 __global__ void __launch_bounds__(Cta::kThreads, 1)
     combine_kernel(const CombineRole role, const GroupBarrier done, uint32_t smem_bytes) {
@@ -94,6 +102,14 @@ uint32_t bulk_smem(CopyEngine engine, const BulkLayout& layout, Kernel kernel, i
 void launch_dispatch(const DispatchLaunch& l, cudaStream_t stream) {
   check_ctas(l.ctas);
   if (l.counter_words > 0) MOK_CUDA_CHECK(cudaMemsetAsync(l.counters, 0, l.counter_words * sizeof(uint32_t), stream));
+  if (l.role.token_major) {
+    if (l.role.recv == nullptr || l.role.land_rows == nullptr || l.role.minibatch_rows <= 0) {
+      throw Error(Status::kInternal, "mok: token-major dispatch without its receive buffer or landing list");
+    }
+    dispatch_land_kernel<<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start);
+    MOK_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const BulkLayout layout = dispatch_bulk_layout(l.role, bulk_usable(role_smem_bytes(l.role.engine)));
   switch (l.role.engine) {
     case CopyEngine::kHybrid: {

@@ -411,12 +411,56 @@ __device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGro
   }
 }
 
+// ---- token-major dispatch: one row per (token, other rank), nothing fanned out -------------
+
+// Comm warp w of all (cta * Warps + warp) takes chunks w, w + warps, ... of R consecutive
+// landing-list entries, so the list (sorted by row, hence by minibatch) lands roughly in order
+// and early minibatches are ready first. Each warp counts its landed entries per minibatch.
+template <class Shape>
+__device__ inline void dispatch_land_warps(const DispatchRole& r, int cta, int nctas) {
+  constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t count = *r.land_count;  // 0 when the schedule is poisoned
+  const int64_t vecs = r.row_bytes / 16;
+  const int64_t warps = static_cast<int64_t>(nctas) * Shape::kWarps;
+  for (int64_t c = static_cast<int64_t>(cta) * Shape::kWarps + warp; c * R < count; c += warps) {
+    RowCopy job[R];
+    int64_t mb[R];
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      mb[q] = -1;
+      const int64_t i = c * R + q;
+      if (i < count) {  // warp-uniform
+        const int32_t row = __ldg(r.land_rows + i);
+        const RowEntry e = r.rows[row];
+        job[q].src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
+                                                   static_cast<int64_t>(e.token) * r.row_bytes);
+        job[q].dst = reinterpret_cast<int4*>(r.recv + recv_row(e.src_rank, e.token, r.tokens) * r.row_bytes);
+        mb[q] = row / r.minibatch_rows;
+      }
+    }
+    warp_copy_rows<R, V>(job, vecs, lane, StableLoad{});
+    __syncwarp();
+    __threadfence();  // NOTE: every lane's row stores (ordered by the bar.warp.sync) before the counts
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        if (mb[q] < 0) continue;
+        uint32_t n = 1;
+        while (q + 1 < R && mb[q + 1] == mb[q]) ++n, ++q;  // one release per minibatch run
+        fetch_add_release<Scope::kGpu>(r.ready + mb[q], n);
+      }
+    }
+  }
+}
+
 // Plain (dedup off): every row is pulled from its source; optional remote / own CTA split.
 // Dedup: fan-out from each token's first row (remote / own split allowed as well). Both give
-// identical bytes and identical ready counters.
+// identical bytes and identical ready counters. Token-major: dispatch_land_warps.
 template <class Shape>
 __device__ inline void dispatch_pull_warps(const DispatchRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
+  if (r.token_major) return dispatch_land_warps<Shape>(r, cta, nctas);
   const CtaGroup g = cta_group(r.remote_ctas, r.peers.ep, cta, nctas);
   if (r.dedup) {
     dispatch_fanout_tiles<Shape>(r, g);
@@ -447,6 +491,18 @@ __device__ inline bool wait_minibatch_ready(const uint32_t* ready, const Schedul
                                             const WaitContext& ctx) {
   const uint32_t tiles = static_cast<uint32_t>((v.mb_end[m] - v.mb_begin[m]) / kRowTile);
   return wait_geq<Scope::kGpu>(ready + m, tiles, WaitSite::kReadyCounter, ctx);
+}
+
+// The same after a token-major dispatch: a row of minibatch m has its token landed by the
+// entry of its first row, which lies in minibatch m or an earlier one, so every minibatch up
+// to m must be complete.
+__device__ inline bool wait_minibatch_landed(const uint32_t* ready, const ScheduleView& v, int64_t m,
+                                             const WaitContext& ctx) {
+  for (int64_t j = 0; j <= m; ++j) {
+    const uint32_t target = static_cast<uint32_t>(__ldg(v.mb_land + j));
+    if (!wait_geq<Scope::kGpu>(ready + j, target, WaitSite::kReadyCounter, ctx)) return false;
+  }
+  return true;
 }
 
 // ---- combine -------------------------------------------------------------------------------

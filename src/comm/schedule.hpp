@@ -15,7 +15,11 @@
 //   6. dedup links: the first row (lowest local expert) of each token on this rank, which the
 //      dedup dispatch reads once and fans out to the token's other rows;
 //   7. remote rows: the buffer rows of other ranks' tokens in increasing order (CUB select), the
-//      work list of the in-place combine (an even split over all comm warps).
+//      work list of the in-place combine (an even split over all comm warps);
+//   8. landing list: the first row on this rank of each other rank's token (CUB select), i.e. one
+//      entry per (token, source rank) that crosses NVLink, in increasing row order, and how many
+//      of them each minibatch holds: the work list and ready targets of the token-major dispatch
+//      (DispatchRole::token_major), after which GEMM 1 gathers its rows.
 // On any routing error or capacity overflow every output is poisoned (-1, minibatches 0) and
 // the header's status says why; the error record holds the details for Workspace::check().
 #pragma once
@@ -63,6 +67,9 @@ struct ScheduleView {
   const int64_t* mb_real_rows = nullptr;   // real rows inside minibatch m
   const int32_t* remote_rows = nullptr;    // [buffer_rows] rows of other ranks' tokens, increasing
   const int32_t* remote_count = nullptr;   // [1] how many (0 when poisoned)
+  const int32_t* land_rows = nullptr;      // [buffer_rows] first row of each other rank's token, increasing
+  const int32_t* land_count = nullptr;     // [1] how many (0 when poisoned)
+  const int32_t* mb_land = nullptr;        // [max_minibatches] landing-list entries inside minibatch m
   int64_t buffer_rows = 0;
   int64_t minibatch = 0;                   // rows per minibatch (a multiple of kRowTile)
   int64_t max_minibatches = 0;
@@ -80,6 +87,7 @@ class ScheduleBuffers {
   DeviceBuffer<int32_t> dest_row;
   DeviceBuffer<int64_t> minibatch_ranges;  // [3][max_minibatches]: begin, end, real rows
   DeviceBuffer<int32_t> remote_rows, remote_count;
+  DeviceBuffer<int32_t> land_rows, land_count, mb_land;
   DeviceBuffer<uint32_t> keys_in, keys_out, vals_in, vals_out;
   DeviceBuffer<unsigned long long> owner_rows;  // [ep] routed rows of every rank (capacity check)
   DeviceBuffer<unsigned char> sort_temp;

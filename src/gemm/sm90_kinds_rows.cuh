@@ -87,6 +87,10 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {
     tma_load_2d(&p.x, bar, a, 64 * k, t.row0);
+    load_b(p, t, k, b, bar, rank);
+  }
+  // B alone (a gathering producer writes A itself).
+  __device__ static void load_b(const Params& p, const RowTile& t, int k, uint8_t* b, uint64_t* bar, int rank) {
     load_b_boxes<C, 2>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(box == 0 ? &p.w_gate : &p.w_up, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 128 * t.n_tile,
                   t.expert, mask);

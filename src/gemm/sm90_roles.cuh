@@ -32,6 +32,9 @@ struct alignas(1024) SharedStorage {
   alignas(1024) uint8_t b[Cfg::kStages][Cfg::kBBytes];
   alignas(1024) uint8_t epi[Cfg::kConsumerWGs][Cfg::kEpiBytesPerWG];
   StageBarriers<Cfg::kStages> bars;
+  // Gathering producer (the fused forward's GEMM 1 after a token-major dispatch): where each
+  // row of the current tile comes from (megakernel/fused_roles.cuh). Shares the barriers' 1 KiB.
+  alignas(16) int32_t gather_src[Cfg::kBM];
 };
 
 // CuTe view of the operand ring: (rows, 64, stages). MN-major tiles are laid out as TMA
@@ -141,14 +144,17 @@ constexpr int empty_barrier_arrivals() {
   return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
 }
 
+// proxy_fence: the stage's A tile was written by cp.async (generic proxy, a gathering
+// producer), which wgmma (async proxy) reads only after a proxy fence.
 template <class Cfg, class Mma, class FragA, class FragB, class Acc>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
-                             const ErrorSink& err, int tid_in_wg) {
+                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false) {
   using cute::_;
   int prev = -1;
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
+    if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cute::warpgroup_fence_operand(acc);
     cute::warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);

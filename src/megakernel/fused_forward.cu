@@ -34,7 +34,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>());
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), p.gather.on ? kGatherFullArrivals : 1);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
   }
@@ -43,8 +43,12 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   list.set_routed_rows(p.routed1.sched.offsets, p.experts);
   const int warpgroup = threadIdx.x / gemm::kWarpGroupThreads;
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (threadIdx.x == 0) gemm_producer(p, list, *ss, cta, ctas);
+    cutlass::arch::warpgroup_reg_dealloc<kFusedProducerRegs>();
+    if (p.gather.on) {
+      if (threadIdx.x < 32) gemm_producer_gather(p, list, *ss, cta, ctas);
+    } else if (threadIdx.x == 0) {
+      gemm_producer(p, list, *ss, cta, ctas);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     gemm_consumer(p, list, *ss, cta, ctas);
@@ -182,7 +186,16 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.comm_ctas = o.comm_ctas;
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
-  p.dispatch = state.dispatch_role(o.dedup);
+  p.dispatch = state.dispatch_role(o.dedup, o.token_major);
+  if (o.token_major) {
+    p.gather.on = true;
+    p.gather.rows = p.view.rows;
+    p.gather.own_x = reinterpret_cast<const char*>(args.x);
+    p.gather.recv = p.dispatch.recv;
+    p.gather.tokens = s.tokens;
+    p.gather.row_bytes = H * 2;
+    p.gather.rank = state.rank();
+  }
   comm::CombineRole& c = p.combine;  // gated per row tile by GEMM 2
   c = state.combine_role(b.expert_out.get(), o.own_rows_in_place);
   c.out_ready = p.g2_done;

@@ -31,6 +31,9 @@ struct FusedForwardOptions {
   bool dedup = true;              // dispatch: each (token, rank) read once and fanned out (same bytes)
   bool own_rows_in_place = true;  // combine: only other ranks' rows move; the epilogue reads own ones in place
   bool combine_remote_list = true;  // in-place combine over the schedule's remote-row list (false: row tiles per CTA)
+  // dispatch: each other rank's token lands once in a token-major receive buffer and GEMM 1
+  // gathers its rows from x and that buffer (no fan-out, no expert-major row buffer). Same bits.
+  bool token_major = true;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

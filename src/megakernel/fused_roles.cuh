@@ -42,6 +42,19 @@ struct FusedCta {
   static_assert(kThreads == 3 * gemm::kWarpGroupThreads, "producer + two consumer warpgroups");
 };
 
+// GEMM 1 with gathered rows (after a token-major dispatch, FusedForwardOptions::token_major):
+// row r of the expert-major order is read from its token's row in x (own rank) or in the
+// receive buffer (other ranks), so the expert-major row buffer is never written.
+struct GatherParams {
+  bool on = false;
+  const comm::RowEntry* rows = nullptr;  // ScheduleView::rows
+  const char* own_x = nullptr;           // this rank's x [T, H]
+  const char* recv = nullptr;            // [ep * T, H] (CommState::recv_buffer)
+  int64_t tokens = 0;
+  int64_t row_bytes = 0;                 // H * 2
+  int rank = 0;
+};
+
 struct FusedForwardParams {
   gemm::Gemm1SwigluParams shared1, routed1;  // routed1.sched: the expert segments (int32)
   gemm::Gemm2Params shared2, routed2;
@@ -58,6 +71,7 @@ struct FusedForwardParams {
   comm::GroupBarrier dispatch_start, combine_done;
   comm::WaitContext wait;
   int comm_ctas = 0;
+  GatherParams gather;
 };
 
 // ---- tiles ----------------------------------------------------------------------------------
@@ -112,7 +126,11 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
                                   p.wait);
       break;
     case TaskKind::kGemm1:
-      comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
+      if (p.gather.on) {
+        comm::wait_minibatch_landed(p.ready, p.view, t.minibatch, p.wait);
+      } else {
+        comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
+      }
       break;
     case TaskKind::kGemm2:
       comm::wait_geq<Scope::kGpu>(p.g1_done + t.row_tile, 2u * p.tasks.n1, comm::WaitSite::kHiddenRowTile, p.wait);
@@ -149,6 +167,97 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
     const bool ok = is_gemm1(t.kind) ? produce_tile<G1Kind>(gemm1_params(p, t.kind), tile, ss, st)
                                      : produce_tile<G2Kind>(gemm2_params(p, t.kind), tile, ss, st);
     if (!ok) return;
+  }
+}
+
+// ---- gathering producer (token-major dispatch) -----------------------------------------------
+// Warp 0 of warpgroup 0 produces instead of one thread: lane 0 waits and issues the TMA loads
+// (B, and A of the tiles that are not gathered); for a routed GEMM 1 tile every lane copies
+// 16-byte chunks of the tile's 128 A rows with cp.async straight into the 128B-swizzled stage
+// layout that TMA would have written (same bytes, so the same wgmma results), zero-filling
+// padding rows. Every lane arrives once per stage (cp.async-tracked or plain), lane 0 also
+// with the expect_tx: the full barriers count 1 + 32 arrivals.
+inline constexpr int kGatherFullArrivals = 1 + 32;
+// The gathering producer's address arithmetic needs more than the 40 registers of a TMA-only
+// producer: 48 x 128 + 232 x 256 = 65536, the whole register file.
+inline constexpr int kFusedProducerRegs = 48;
+static_assert(kFusedProducerRegs * gemm::kWarpGroupThreads + Cfg::kConsumerRegs * Cfg::kConsumerThreads <= 65536,
+              "register budget of one SM exceeded");
+
+// gather_src[j] for tile row j: >= 0 row of recv, <= -2 own token -(v + 2), -1 padding.
+__device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, int32_t* src, int lane) {
+  for (int j = lane; j < gemm::kRowTileRows; j += 32) {
+    const comm::RowEntry e = g.rows[row0 + j];
+    int32_t v = -1;
+    if (e.src_rank >= 0) {
+      v = e.src_rank == g.rank ? -(e.token + 2) : static_cast<int32_t>(comm::recv_row(e.src_rank, e.token, g.tokens));
+    }
+    src[j] = v;
+  }
+}
+
+// Lane l copies chunk l % 8 (16 B of the stage's 64 columns) of rows 4i + l / 8, i = 0..31:
+// each instruction of the warp reads 4 whole 128-byte row segments. Destination: row * 128 +
+// ((chunk ^ row % 8) * 16), the SW128 K-major layout (Layout_K_SW128_Atom, TMA SWIZZLE_128B).
+__device__ inline void gather_a_stage(const GatherParams& g, const int32_t* src, uint8_t* a, int k, uint64_t* full,
+                                      int lane) {
+  const uint32_t a_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(a));
+  const int chunk = lane & 7;
+  const int64_t col = static_cast<int64_t>(k) * 128 + chunk * 16;
+#pragma unroll 8
+  for (int i = 0; i < 32; ++i) {
+    const int row = 4 * i + (lane >> 3);
+    const int32_t v = src[row];
+    const char* from = v >= 0 ? g.recv + v * g.row_bytes : g.own_x + (v <= -2 ? -(v + 2) : 0) * g.row_bytes;
+    const uint32_t bytes = v == -1 ? 0u : 16u;  // padding: zero-filled, nothing read
+    const uint32_t dst = a_saddr + row * 128 + ((chunk ^ (row & 7)) << 4);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(from + col), "r"(bytes) : "memory");
+  }
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ inline void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list,
+                                            gemm::SharedStorage<Cfg>& ss, int cta, int ctas) {
+  const int lane = threadIdx.x % 32;
+  gemm::PipeState<Cfg::kStages> st;
+  st.phase = 1;  // fresh empty barriers count as released
+  const int n = list.size();
+  for (int i = cta; i < n; i += ctas) {
+    const Task t = list.at(i);
+    const gemm::RowTile tile = tile_of(p, t);
+    if (lane == 0) wait_for_inputs(p, t);
+    __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' cp.async reads after it
+    const bool g1 = is_gemm1(t.kind);
+    const bool gather = t.kind == TaskKind::kGemm1;
+    const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
+    if (gather && k_steps > 0) {
+      gather_fill_sources(p.gather, tile.row0, ss.gather_src, lane);
+      __syncwarp();
+    }
+    for (int k = 0; k < k_steps; ++k) {
+      int ok = 1;
+      if (lane == 0) ok = gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.routed1.err);
+      if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;
+      uint64_t* full = &ss.bars.full[st.index];
+      if (lane == 0) {
+        if (gather) {
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
+          G1Kind::load_b(p.routed1, tile, k, ss.b[st.index], full, 0);
+        } else {
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
+          if (g1) G1Kind::load_stage(gemm1_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
+          else G2Kind::load_stage(gemm2_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
+        }
+      }
+      if (gather) {
+        gather_a_stage(p.gather, ss.gather_src, ss.a[st.index], k, full, lane);
+      } else {
+        cutlass::arch::ClusterBarrier::arrive(full);
+      }
+      st.advance();
+    }
+    __syncwarp();  // every lane read gather_src before the next tile rewrites it
   }
 }
 
@@ -246,7 +355,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     if (ctx.tid == 0 && k_steps > 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
       pending.flush();  // about to block on the producer: publish first
     }
-    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid)) break;
+    const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
       if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));

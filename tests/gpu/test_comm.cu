@@ -127,7 +127,14 @@ struct EngineOutputs {
   std::vector<std::vector<uint32_t>> ready;       // per dispatch variant: ready counters
   std::vector<std::vector<uint16_t>> slots;       // per combine variant
   std::vector<std::string> errors;                // device errors, "variant: message"
+  // Token-major dispatch, per CTA count of kLandCtas: the receive buffer [ep * T, H] (poisoned
+  // first) and the ready counters; the schedule's landing list and per-minibatch targets.
+  std::vector<std::vector<uint16_t>> landed;
+  std::vector<std::vector<uint32_t>> land_ready;
+  std::vector<int32_t> land_rows, mb_land;
+  int32_t land_count = -1;
 };
+constexpr int kLandCtas[] = {1, 3, 16};
 
 EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t comm, int device,
                           const std::function<void()>& sync_ranks) {
@@ -171,6 +178,18 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
     out.dispatched.push_back(download(reinterpret_cast<const uint16_t*>(st.row_buffer()), padded * s.hidden));
     out.ready.push_back(download(st.ready_counters(), sb.max_minibatches));
   }
+  const size_t recv_elems = static_cast<size_t>(s.ep) * s.tokens * s.hidden;
+  for (int ctas : kLandCtas) {
+    MOK_CUDA_CHECK(cudaMemsetAsync(st.recv_buffer(), 0xFF, recv_elems * 2, stream));
+    st.dispatch_token_major(ctas, stream);
+    if (std::optional<Error> err = st.take_error(stream)) out.errors.push_back("token-major: " + std::string(err->what()));
+    sync_ranks();
+    out.landed.push_back(download(reinterpret_cast<const uint16_t*>(st.recv_buffer()), recv_elems));
+    out.land_ready.push_back(download(st.ready_counters(), sb.max_minibatches));
+  }
+  MOK_CUDA_CHECK(cudaMemcpy(&out.land_count, sb.land_count.get(), sizeof(int32_t), cudaMemcpyDeviceToHost));
+  out.land_rows = download(sb.land_rows.get(), std::max<int32_t>(out.land_count, 0));
+  out.mb_land = download(sb.mb_land.get(), sb.max_minibatches);
   const size_t slot_elems = static_cast<size_t>(s.tokens) * s.topk * s.hidden;
   for (const EngineVariant& v : engine_combine_variants()) {
     if (g_engine_broken[static_cast<int>(v.engine)]) {
@@ -249,6 +268,34 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
         const int64_t begin = std::min<int64_t>(m * mb, rs.padded_rows), end = std::min(begin + mb, rs.padded_rows);
         EXPECT_EQ(o.ready[v][m], static_cast<uint32_t>((end - begin) / kRowTile))
             << who << ": dispatch " << name << " ready[" << m << "]";
+      }
+    }
+    // Token-major: the first row of each other rank's token (reference order) is one landing
+    // entry; its token row lands at src * T + token; every other receive row stays poisoned.
+    std::vector<int32_t> want_land;
+    std::vector<uint32_t> want_mb(o.mb_land.size(), 0);
+    std::vector<uint16_t> want_recv(static_cast<size_t>(ep) * s.tokens * H, 0xFFFF);
+    std::vector<char> seen(static_cast<size_t>(ep) * s.tokens, 0);
+    for (int64_t i = 0; i < rs.padded_rows; ++i) {
+      const ref::RowRef& row = rs.rows[i];
+      if (row.is_padding() || row.src_rank == r) continue;
+      const int64_t slot = row.src_rank * s.tokens + row.token;
+      if (seen[slot]) continue;
+      seen[slot] = 1;
+      want_land.push_back(static_cast<int32_t>(i));
+      if (static_cast<size_t>(i / mb) < want_mb.size()) ++want_mb[i / mb];
+      std::memcpy(&want_recv[slot * H], &in[row.src_rank].x[row.token * H], H * 2);
+    }
+    EXPECT_EQ(o.land_rows, want_land) << who << ": landing list";
+    for (size_t m = 0; m < want_mb.size(); ++m) {
+      EXPECT_EQ(static_cast<uint32_t>(o.mb_land[m]), want_mb[m]) << who << ": mb_land[" << m << "]";
+    }
+    for (size_t v = 0; v < o.landed.size(); ++v) {
+      const int64_t bad = first_mismatch(o.landed[v], want_recv);
+      EXPECT_EQ(bad, -1) << who << ": token-major dispatch, " << kLandCtas[v] << " CTAs, first mismatch at recv row "
+                         << bad / H << " col " << bad % H;
+      for (size_t m = 0; m < want_mb.size(); ++m) {
+        EXPECT_EQ(o.land_ready[v][m], want_mb[m]) << who << ": token-major ready[" << m << "], " << kLandCtas[v] << " CTAs";
       }
     }
     std::vector<uint16_t> slots(s.tokens * s.topk * H);

@@ -283,17 +283,22 @@ struct PassBits {
   std::vector<uint16_t> y, g, u, shared_g, shared_u;  // g, u: the schedule's padded rows only
 };
 
-// copy_modes: the dedup dispatch and the in-place combine (the defaults); false: plain pull and
-// every slot filled.
+// Copy modes of the forward (all give the same bits):
+//   kDefault  token-major dispatch with gathering GEMM 1 (fused) / dedup fan-out (staged), in-place combine
+//   kPlain    plain pull into the row buffer, every slot filled
+//   kFanOut   the dedup fan-out dispatch into the row buffer (fused: token-major off), in-place combine
+enum class CopyModes { kDefault, kPlain, kFanOut };
+
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
-                               bool copy_modes = true) {
+                               CopyModes modes = CopyModes::kDefault) {
   const LayerShape& s = p.shape;
   std::vector<PassBits> out(s.ep);
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = Workspace::create(s, cfg, r.comm, r.device);
     ws->impl().forward_path = path;
-    ws->impl().dispatch_dedup = ws->impl().combine_in_place = copy_modes;
+    ws->impl().dispatch_dedup = ws->impl().combine_in_place = modes != CopyModes::kPlain;
+    ws->impl().dispatch_token_major = modes == CopyModes::kDefault;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -331,11 +336,16 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   cfg.minibatch = 128;  // many minibatches: GEMM2 of one overlaps GEMM1 of the next
   const auto staged = run_path(p, cfg, megakernel::ForwardPath::kStaged);
   const auto fused = run_path(p, cfg, megakernel::ForwardPath::kFused);
-  // The plain pull dispatch and the all-slots combine (the copy modes off) give the same bits.
-  const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, false);
+  // The plain pull dispatch and the all-slots combine (the copy modes off), and the fan-out
+  // dispatch into the row buffer (no gathering GEMM 1), give the same bits.
+  const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPlain);
+  const auto fused_fanout = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFanOut);
   for (int r = 0; r < ep; ++r) {
     EXPECT_TRUE(same_bits(fused_plain[r].y, fused[r].y)) << c.name << " rank " << r << ": y, copy modes off";
     EXPECT_TRUE(same_bits(fused_plain[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, copy modes off";
+    EXPECT_TRUE(same_bits(fused_fanout[r].y, fused[r].y)) << c.name << " rank " << r << ": y, fan-out dispatch";
+    EXPECT_TRUE(same_bits(fused_fanout[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, fan-out dispatch";
+    EXPECT_TRUE(same_bits(fused_fanout[r].u, fused[r].u)) << c.name << " rank " << r << ": saved u, fan-out dispatch";
     EXPECT_TRUE(same_bits(fused[r].y, staged[r].y)) << c.name << " rank " << r << ": y";
     EXPECT_TRUE(same_bits(fused[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g";
     EXPECT_TRUE(same_bits(fused[r].u, staged[r].u)) << c.name << " rank " << r << ": saved u";
