@@ -32,9 +32,6 @@ struct alignas(1024) SharedStorage {
   alignas(1024) uint8_t b[Cfg::kStages][Cfg::kBBytes];
   alignas(1024) uint8_t epi[Cfg::kConsumerWGs][Cfg::kEpiBytesPerWG];
   StageBarriers<Cfg::kStages> bars;
-  // Gathering producer (the fused forward's GEMM 1 after a token-major dispatch): where each
-  // row of the current tile comes from (megakernel/fused_roles.cuh). Shares the barriers' 1 KiB.
-  alignas(16) int32_t gather_src[Cfg::kBM];
 };
 
 // CuTe view of the operand ring: (rows, 64, stages). MN-major tiles are laid out as TMA

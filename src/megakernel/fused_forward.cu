@@ -45,7 +45,8 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kFusedProducerRegs>();
     if (p.gather.on) {
-      if (threadIdx.x < 32) gemm_producer_gather(p, list, *ss, cta, ctas);
+      auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
+      if (threadIdx.x < 32) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
       gemm_producer(p, list, *ss, cta, ctas);
     }

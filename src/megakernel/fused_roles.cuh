@@ -38,7 +38,10 @@ static_assert(std::is_same_v<Cfg, G2Kind::Cfg>, "one shared-memory layout serves
 struct FusedCta {
   static constexpr int kThreads = Cfg::kThreads;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kSmemBytes = Cfg::kSmemBytes;
+  // The GEMM's shared memory plus the gathering producer's row table (GatherTable, 1 KiB).
+  static constexpr int kGatherTableBytes = 128 * 8;
+  static constexpr int kSmemBytes = Cfg::kSmemBytes + kGatherTableBytes;
+  static_assert(kSmemBytes <= gemm::kMaxSmemPerBlock, "GEMM shared memory + gather table exceed the SM");
   static_assert(kThreads == 3 * gemm::kWarpGroupThreads, "producer + two consumer warpgroups");
 };
 
@@ -178,47 +181,64 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
 // padding rows. Every lane arrives once per stage (cp.async-tracked or plain), lane 0 also
 // with the expect_tx: the full barriers count 1 + 32 arrivals.
 inline constexpr int kGatherFullArrivals = 1 + 32;
-// The gathering producer's address arithmetic needs more than the 40 registers of a TMA-only
-// producer: 48 x 128 + 232 x 256 = 65536, the whole register file.
-inline constexpr int kFusedProducerRegs = 48;
-static_assert(kFusedProducerRegs * gemm::kWarpGroupThreads + Cfg::kConsumerRegs * Cfg::kConsumerThreads <= 65536,
-              "register budget of one SM exceeded");
+// NOTE: setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384 = 64512):
+// with 48 producer registers the consumers' increase to 232 would wait forever (measured: the
+// fused kernel hung). The gathering producer must fit the TMA producer's 40.
+inline constexpr int kFusedProducerRegs = Cfg::kProducerRegs;
+static_assert(kFusedProducerRegs * gemm::kWarpGroupThreads + Cfg::kConsumerRegs * Cfg::kConsumerThreads <=
+                  168 * FusedCta::kThreads,
+              "setmaxnreg cannot exceed the CTA's launch allocation");
 
-// gather_src[j] for tile row j: >= 0 row of recv, <= -2 own token -(v + 2), -1 padding.
-__device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, int32_t* src, int lane) {
+// The source row of each A row of the current tile (behind SharedStorage in the fused
+// kernel's shared memory): x[token] (own rank), recv[src * T + token] (other ranks), and for
+// padding rows x[0] (any valid row: padding rows' outputs are stored as zeros, and rows of a
+// GEMM never mix).
+struct GatherTable {
+  const char* src[gemm::kRowTileRows];
+};
+static_assert(sizeof(GatherTable) == FusedCta::kGatherTableBytes, "gather table size");
+static_assert(sizeof(gemm::SharedStorage<Cfg>) + 1023 + sizeof(GatherTable) <= FusedCta::kSmemBytes,
+              "shared storage + gather table exceed the allocation");
+
+__device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, GatherTable& table, int lane) {
   for (int j = lane; j < gemm::kRowTileRows; j += 32) {
     const comm::RowEntry e = g.rows[row0 + j];
-    int32_t v = -1;
-    if (e.src_rank >= 0) {
-      v = e.src_rank == g.rank ? -(e.token + 2) : static_cast<int32_t>(comm::recv_row(e.src_rank, e.token, g.tokens));
+    const char* src = g.own_x;
+    if (e.src_rank == g.rank) {
+      src = g.own_x + e.token * g.row_bytes;
+    } else if (e.src_rank >= 0) {
+      src = g.recv + comm::recv_row(e.src_rank, e.token, g.tokens) * g.row_bytes;
     }
-    src[j] = v;
+    table.src[j] = src;
   }
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const char* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
 // Lane l copies chunk l % 8 (16 B of the stage's 64 columns) of rows 4i + l / 8, i = 0..31:
 // each instruction of the warp reads 4 whole 128-byte row segments. Destination: row * 128 +
-// ((chunk ^ row % 8) * 16), the SW128 K-major layout (Layout_K_SW128_Atom, TMA SWIZZLE_128B).
-__device__ inline void gather_a_stage(const GatherParams& g, const int32_t* src, uint8_t* a, int k, uint64_t* full,
-                                      int lane) {
+// ((chunk ^ row % 8) * 16), the SW128 K-major layout (Layout_K_SW128_Atom, TMA SWIZZLE_128B);
+// row % 8 is l / 8 for even i and l / 8 + 4 for odd i, so two base addresses serve all rows.
+__device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int k, uint64_t* full, int lane) {
   const uint32_t a_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(a));
-  const int chunk = lane & 7;
+  const int chunk = lane & 7, q = lane >> 3;
   const int64_t col = static_cast<int64_t>(k) * 128 + chunk * 16;
-#pragma unroll 8
-  for (int i = 0; i < 32; ++i) {
-    const int row = 4 * i + (lane >> 3);
-    const int32_t v = src[row];
-    const char* from = v >= 0 ? g.recv + v * g.row_bytes : g.own_x + (v <= -2 ? -(v + 2) : 0) * g.row_bytes;
-    const uint32_t bytes = v == -1 ? 0u : 16u;  // padding: zero-filled, nothing read
-    const uint32_t dst = a_saddr + row * 128 + ((chunk ^ (row & 7)) << 4);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(from + col), "r"(bytes) : "memory");
+  const uint32_t even = a_saddr + q * 128 + ((chunk ^ q) << 4);
+  const uint32_t odd = a_saddr + (q + 4) * 128 + ((chunk ^ (q + 4)) << 4);
+  const char* const* src = table.src + q;
+#pragma unroll 4
+  for (int i = 0; i < 32; i += 2) {
+    cp_async_16(even + i * 512, src[4 * i] + col);
+    cp_async_16(odd + i * 512, src[4 * i + 4] + col);
   }
   const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 __device__ inline void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list,
-                                            gemm::SharedStorage<Cfg>& ss, int cta, int ctas) {
+                                            gemm::SharedStorage<Cfg>& ss, GatherTable& table, int cta, int ctas) {
   const int lane = threadIdx.x % 32;
   gemm::PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released
@@ -232,7 +252,7 @@ __device__ inline void gemm_producer_gather(const FusedForwardParams& p, const T
     const bool gather = t.kind == TaskKind::kGemm1;
     const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
     if (gather && k_steps > 0) {
-      gather_fill_sources(p.gather, tile.row0, ss.gather_src, lane);
+      gather_fill_sources(p.gather, tile.row0, table, lane);
       __syncwarp();
     }
     for (int k = 0; k < k_steps; ++k) {
@@ -251,13 +271,13 @@ __device__ inline void gemm_producer_gather(const FusedForwardParams& p, const T
         }
       }
       if (gather) {
-        gather_a_stage(p.gather, ss.gather_src, ss.a[st.index], k, full, lane);
+        gather_a_stage(table, ss.a[st.index], k, full, lane);
       } else {
         cutlass::arch::ClusterBarrier::arrive(full);
       }
       st.advance();
     }
-    __syncwarp();  // every lane read gather_src before the next tile rewrites it
+    __syncwarp();  // every lane read the table before the next tile rewrites it
   }
 }
 
