@@ -34,7 +34,8 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), p.gather.on ? kGatherFullArrivals : 1);
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(),
+                  p.gather.on && !p.gather.tma ? gather_full_arrivals(p.gather.warps) : 1);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
   }
@@ -46,7 +47,16 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
     cutlass::arch::warpgroup_reg_dealloc<kFusedProducerRegs>();
     if (p.gather.on) {
       auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
-      if (threadIdx.x < 32) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
+      // EXPERIMENT: copy method and warp count chosen at run time (MOK_EXP_GATHER_*).
+      if (threadIdx.x < 32 * p.gather.warps) {
+        if (p.gather.tma) {
+          if (p.gather.warps == 4) gemm_producer_gather<true, 4>(p, list, *ss, *table, cta, ctas);
+          else gemm_producer_gather<true, 1>(p, list, *ss, *table, cta, ctas);
+        } else {
+          if (p.gather.warps == 4) gemm_producer_gather<false, 4>(p, list, *ss, *table, cta, ctas);
+          else gemm_producer_gather<false, 1>(p, list, *ss, *table, cta, ctas);
+        }
+      }
     } else if (threadIdx.x == 0) {
       gemm_producer(p, list, *ss, cta, ctas);
     }
@@ -196,6 +206,16 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     p.gather.tokens = s.tokens;
     p.gather.row_bytes = H * 2;
     p.gather.rank = state.rank();
+    const char* f = std::getenv("MOK_EXP_GATHER_FENCE");
+    p.gather.consumer_fence = f == nullptr || std::strcmp(f, "0") != 0;
+    const char* w = std::getenv("MOK_EXP_GATHER_WARPS");
+    p.gather.warps = w == nullptr ? 1 : std::atoi(w);
+    if (p.gather.warps != 1 && p.gather.warps != 4) p.gather.warps = 1;
+    const char* tm = std::getenv("MOK_EXP_GATHER_TMA");
+    p.gather.tma = tm != nullptr && std::strcmp(tm, "1") == 0;
+    using gemm::host::map_bf16;
+    p.gather.own_rows = map_bf16(args.x, 0, s.tokens, H, 64, 1, "x (gathered rows)");
+    p.gather.recv_rows = map_bf16(p.dispatch.recv, 0, s.ep * s.tokens, H, 64, 1, "recv (gathered rows)");
   }
   comm::CombineRole& c = p.combine;  // gated per row tile by GEMM 2
   c = state.combine_role(b.expert_out.get(), o.own_rows_in_place);

@@ -56,6 +56,12 @@ struct GatherParams {
   int64_t tokens = 0;
   int64_t row_bytes = 0;                 // H * 2
   int rank = 0;
+  bool consumer_fence = true;  // EXPERIMENT (MOK_EXP_GATHER_FENCE=0 turns the consumer proxy fence off)
+  int warps = 1;               // gathering producer warps: 1, 2 or 4 (EXPERIMENT: MOK_EXP_GATHER_WARPS)
+  // One TMA load per row (box 64 x 1, 128B swizzle from the shared-memory address) instead of
+  // cp.async (EXPERIMENT: MOK_EXP_GATHER_TMA=1).
+  bool tma = false;
+  CUtensorMap own_rows, recv_rows;  // x [T, H] and recv [ep * T, H], box 64 x 1
 };
 
 struct FusedForwardParams {
@@ -180,7 +186,7 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
 // layout that TMA would have written (same bytes, so the same wgmma results), zero-filling
 // padding rows. Every lane arrives once per stage (cp.async-tracked or plain), lane 0 also
 // with the expect_tx: the full barriers count 1 + 32 arrivals.
-inline constexpr int kGatherFullArrivals = 1 + 32;
+__host__ __device__ constexpr int gather_full_arrivals(int warps) { return 1 + 32 * warps; }
 // NOTE: setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384 = 64512):
 // with 48 producer registers the consumers' increase to 232 would wait forever (measured: the
 // fused kernel hung). The gathering producer must fit the TMA producer's 40.
@@ -200,8 +206,9 @@ static_assert(sizeof(GatherTable) == FusedCta::kGatherTableBytes, "gather table 
 static_assert(sizeof(gemm::SharedStorage<Cfg>) + 1023 + sizeof(GatherTable) <= FusedCta::kSmemBytes,
               "shared storage + gather table exceed the allocation");
 
-__device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, GatherTable& table, int lane) {
-  for (int j = lane; j < gemm::kRowTileRows; j += 32) {
+__device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, GatherTable& table, int row_begin,
+                                           int rows, int lane) {
+  for (int j = row_begin + lane; j < row_begin + rows; j += 32) {
     const comm::RowEntry e = g.rows[row0 + j];
     const char* src = g.own_x;
     if (e.src_rank == g.rank) {
@@ -221,7 +228,9 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const char* src) {
 // each instruction of the warp reads 4 whole 128-byte row segments. Destination: row * 128 +
 // ((chunk ^ row % 8) * 16), the SW128 K-major layout (Layout_K_SW128_Atom, TMA SWIZZLE_128B);
 // row % 8 is l / 8 for even i and l / 8 + 4 for odd i, so two base addresses serve all rows.
-__device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int k, uint64_t* full, int lane) {
+// Rows 4i + l / 8 for i in [i_begin, i_end) (even bounds).
+__device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int k, uint64_t* full, int lane,
+                                      int i_begin, int i_end) {
   const uint32_t a_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(a));
   const int chunk = lane & 7, q = lane >> 3;
   const int64_t col = static_cast<int64_t>(k) * 128 + chunk * 16;
@@ -229,7 +238,7 @@ __device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int 
   const uint32_t odd = a_saddr + (q + 4) * 128 + ((chunk ^ (q + 4)) << 4);
   const char* const* src = table.src + q;
 #pragma unroll 4
-  for (int i = 0; i < 32; i += 2) {
+  for (int i = i_begin; i < i_end; i += 2) {
     cp_async_16(even + i * 512, src[4 * i] + col);
     cp_async_16(odd + i * 512, src[4 * i + 4] + col);
   }
@@ -237,9 +246,26 @@ __device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int 
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-__device__ inline void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list,
-                                            gemm::SharedStorage<Cfg>& ss, GatherTable& table, int cta, int ctas) {
-  const int lane = threadIdx.x % 32;
+// Row coordinate of tile row `row` for the TMA gather: >= 0 row of recv, <= -2 own token
+// -(v + 2) (padding: own row 0).
+__device__ __forceinline__ int32_t gather_coord(const GatherParams& g, int64_t row) {
+  const comm::RowEntry e = g.rows[row];
+  if (e.src_rank == g.rank) return -(e.token + 2);
+  if (e.src_rank >= 0) return static_cast<int32_t>(comm::recv_row(e.src_rank, e.token, g.tokens));
+  return -2;
+}
+
+// Warps [0, W) of warpgroup 0 run this; warp w owns tile rows [w * 128 / W, (w + 1) * 128 / W)
+// (its part of the row table and of every gathered stage), each warp waits for the inputs and
+// the free stage itself, and lane 0 of warp 0 alone issues the B (and non-gathered) TMA loads.
+// kTma: the rows by TMA (lane l: rows w * 128 / W + l + 32 j), else by cp.async.
+template <bool kTma, int W>
+__device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
+                                     GatherTable& table, int cta, int ctas) {
+  constexpr int kRows = gemm::kRowTileRows / W;  // rows of this warp
+  constexpr int kPerLane = kRows / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row_begin = warp * kRows;
   gemm::PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released
   const int n = list.size();
@@ -247,22 +273,31 @@ __device__ inline void gemm_producer_gather(const FusedForwardParams& p, const T
     const Task t = list.at(i);
     const gemm::RowTile tile = tile_of(p, t);
     if (lane == 0) wait_for_inputs(p, t);
-    __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' cp.async reads after it
+    __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' row reads after it
     const bool g1 = is_gemm1(t.kind);
     const bool gather = t.kind == TaskKind::kGemm1;
     const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
+    int32_t coord[kTma ? kPerLane : 1];
     if (gather && k_steps > 0) {
-      gather_fill_sources(p.gather, tile.row0, table, lane);
-      __syncwarp();
+      if constexpr (kTma) {
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) coord[j] = gather_coord(p.gather, tile.row0 + row_begin + lane + 32 * j);
+      } else {
+        gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
+        __syncwarp();
+      }
     }
     for (int k = 0; k < k_steps; ++k) {
       int ok = 1;
       if (lane == 0) ok = gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.routed1.err);
       if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;
       uint64_t* full = &ss.bars.full[st.index];
-      if (lane == 0) {
+      if (threadIdx.x == 0) {
         if (gather) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
+          // TMA gather: the rows' bytes count in the same transaction (other lanes' row loads
+          // may land before this expect_tx: the tx-count may go below zero meanwhile, and the
+          // phase cannot complete before this arrival).
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kTma ? Cfg::kStageBytes : Cfg::kBBytes);
           G1Kind::load_b(p.routed1, tile, k, ss.b[st.index], full, 0);
         } else {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
@@ -270,10 +305,21 @@ __device__ inline void gemm_producer_gather(const FusedForwardParams& p, const T
           else G2Kind::load_stage(gemm2_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
         }
       }
-      if (gather) {
-        gather_a_stage(table, ss.a[st.index], k, full, lane);
+      if constexpr (kTma) {
+        if (gather) {
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) {
+            const int32_t v = coord[j];
+            gemm::tma_load_2d(v >= 0 ? &p.gather.recv_rows : &p.gather.own_rows, full,
+                              ss.a[st.index] + (row_begin + lane + 32 * j) * 128, 64 * k, v >= 0 ? v : -(v + 2));
+          }
+        }
       } else {
-        cutlass::arch::ClusterBarrier::arrive(full);
+        if (gather) {
+          gather_a_stage(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
+        } else {
+          cutlass::arch::ClusterBarrier::arrive(full);
+        }
       }
       st.advance();
     }
@@ -375,7 +421,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     if (ctx.tid == 0 && k_steps > 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
       pending.flush();  // about to block on the producer: publish first
     }
-    const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
+    const bool gathered = p.gather.on && p.gather.consumer_fence && t.kind == TaskKind::kGemm1;
     if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
