@@ -34,8 +34,9 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(),
-                  p.gather.on && !p.gather.tma ? gather_full_arrivals(p.gather.warps) : 1);
+    const int full_arrivals = !p.gather.on || p.gather.tma == 1 ? 1
+                              : p.gather.tma == 2 ? gather_full_arrivals(3) : gather_full_arrivals(p.gather.warps);
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), full_arrivals);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
   }
@@ -49,12 +50,14 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
       auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
       // EXPERIMENT: copy method and warp count chosen at run time (MOK_EXP_GATHER_*).
       if (threadIdx.x < 32 * p.gather.warps) {
-        if (p.gather.tma) {
-          if (p.gather.warps == 4) gemm_producer_gather<true, 4>(p, list, *ss, *table, cta, ctas);
-          else gemm_producer_gather<true, 1>(p, list, *ss, *table, cta, ctas);
+        if (p.gather.tma == 1) {
+          if (p.gather.warps == 4) gemm_producer_gather<1, 4>(p, list, *ss, *table, cta, ctas);
+          else gemm_producer_gather<1, 1>(p, list, *ss, *table, cta, ctas);
+        } else if (p.gather.tma == 2) {
+          gemm_producer_gather<2, 4>(p, list, *ss, *table, cta, ctas);
         } else {
-          if (p.gather.warps == 4) gemm_producer_gather<false, 4>(p, list, *ss, *table, cta, ctas);
-          else gemm_producer_gather<false, 1>(p, list, *ss, *table, cta, ctas);
+          if (p.gather.warps == 4) gemm_producer_gather<0, 4>(p, list, *ss, *table, cta, ctas);
+          else gemm_producer_gather<0, 1>(p, list, *ss, *table, cta, ctas);
         }
       }
     } else if (threadIdx.x == 0) {
@@ -212,7 +215,8 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     p.gather.warps = w == nullptr ? 1 : std::atoi(w);
     if (p.gather.warps != 1 && p.gather.warps != 4) p.gather.warps = 1;
     const char* tm = std::getenv("MOK_EXP_GATHER_TMA");
-    p.gather.tma = tm != nullptr && std::strcmp(tm, "1") == 0;
+    p.gather.tma = tm == nullptr ? 0 : std::atoi(tm);
+    if (p.gather.tma == 2) p.gather.warps = 4;
     using gemm::host::map_bf16;
     p.gather.own_rows = map_bf16(args.x, 0, s.tokens, H, 64, 1, "x (gathered rows)");
     p.gather.recv_rows = map_bf16(p.dispatch.recv, 0, s.ep * s.tokens, H, 64, 1, "recv (gathered rows)");

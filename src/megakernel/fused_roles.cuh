@@ -60,7 +60,7 @@ struct GatherParams {
   int warps = 1;               // gathering producer warps: 1, 2 or 4 (EXPERIMENT: MOK_EXP_GATHER_WARPS)
   // One TMA load per row (box 64 x 1, 128B swizzle from the shared-memory address) instead of
   // cp.async (EXPERIMENT: MOK_EXP_GATHER_TMA=1).
-  bool tma = false;
+  int tma = 0;  // 0 cp.async, 1 TMA, 2 warp 0 TMA + warps 1-3 cp.async
   CUtensorMap own_rows, recv_rows;  // x [T, H] and recv [ep * T, H], box 64 x 1
 };
 
@@ -258,14 +258,17 @@ __device__ __forceinline__ int32_t gather_coord(const GatherParams& g, int64_t r
 // Warps [0, W) of warpgroup 0 run this; warp w owns tile rows [w * 128 / W, (w + 1) * 128 / W)
 // (its part of the row table and of every gathered stage), each warp waits for the inputs and
 // the free stage itself, and lane 0 of warp 0 alone issues the B (and non-gathered) TMA loads.
-// kTma: the rows by TMA (lane l: rows w * 128 / W + l + 32 j), else by cp.async.
-template <bool kTma, int W>
+// Mode 0: every row by cp.async; 1: every row by TMA (lane l: rows w * 128 / W + l + 32 j);
+// 2 (W = 4): warp 0's rows by TMA, warps 1-3's by cp.async.
+template <int Mode, int W>
 __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
                                      GatherTable& table, int cta, int ctas) {
   constexpr int kRows = gemm::kRowTileRows / W;  // rows of this warp
   constexpr int kPerLane = kRows / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_begin = warp * kRows;
+  static_assert(Mode != 2 || W == 4, "hybrid gather: four warps");
+  const bool kTma = Mode == 1 || (Mode == 2 && warp == 0);  // this warp's rows by TMA
   gemm::PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released
   const int n = list.size();
@@ -277,9 +280,9 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     const bool g1 = is_gemm1(t.kind);
     const bool gather = t.kind == TaskKind::kGemm1;
     const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
-    int32_t coord[kTma ? kPerLane : 1];
+    int32_t coord[Mode != 0 ? kPerLane : 1];
     if (gather && k_steps > 0) {
-      if constexpr (kTma) {
+      if (kTma) {
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j) coord[j] = gather_coord(p.gather, tile.row0 + row_begin + lane + 32 * j);
       } else {
@@ -297,7 +300,8 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
           // TMA gather: the rows' bytes count in the same transaction (other lanes' row loads
           // may land before this expect_tx: the tx-count may go below zero meanwhile, and the
           // phase cannot complete before this arrival).
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kTma ? Cfg::kStageBytes : Cfg::kBBytes);
+          constexpr int kTmaRows = Mode == 1 ? gemm::kRowTileRows : Mode == 2 ? kRows : 0;
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes + kTmaRows * 128);
           G1Kind::load_b(p.routed1, tile, k, ss.b[st.index], full, 0);
         } else {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
@@ -305,7 +309,7 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
           else G2Kind::load_stage(gemm2_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
         }
       }
-      if constexpr (kTma) {
+      if (kTma) {
         if (gather) {
 #pragma unroll
           for (int j = 0; j < kPerLane; ++j) {
