@@ -13,15 +13,15 @@
 // full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
 //
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3]
-//                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--fanout 0|1]
+//                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1]
 //                 [--out bench/results/2026-11-30-forward.json]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
 // into every slot) at each comm count: fwd_plain_ms (the layer before the dedup fan-out and the
 // in-place combine), same bits. --tiles 1: the same with the in-place combine by row tiles per
-// CTA instead of the schedule's remote-row list (fwd_tiles_ms). --fanout 1: the dedup fan-out
-// dispatch into the expert-major row buffer instead of the token-major dispatch with GEMM 1
-// gathering its rows (fwd_fanout_ms).
+// CTA instead of the schedule's remote-row list (fwd_tiles_ms). --token-major 1: the token-major
+// dispatch with GEMM 1 gathering its rows instead of the fan-out into the expert-major row
+// buffer (fwd_token_major_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -58,7 +58,7 @@ struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
   std::vector<int> comm{8, 16, 24, 32};
   int iters = 10, warmup = 3, ep = 0;
-  bool plain = false, tiles = false, fanout = false;
+  bool plain = false, tiles = false, token_major = false;
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
 };
@@ -84,7 +84,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
     else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
-    else if (k == "--fanout") o.fanout = std::stoi(v) != 0;
+    else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
     else if (k == "--out") o.out = v;
     else {
       std::fprintf(stderr, "bench_forward: unknown option %s\n", k.c_str());
@@ -216,7 +216,7 @@ struct RankResult {
   std::map<int, double> fused_ms;  // comm CTAs -> ms
   std::map<int, double> fused_plain_ms;  // the same with the copy modes off (--plain 1)
   std::map<int, double> fused_tiles_ms;  // in-place combine by row tiles per CTA (--tiles 1)
-  std::map<int, double> fused_fanout_ms;  // fan-out dispatch into the row buffer, no gather (--fanout 1)
+  std::map<int, double> fused_token_major_ms;  // token-major dispatch + gathering GEMM 1 (--token-major 1)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
   int64_t variants_vs_fused = 0;  // mismatching elements of y over every --plain / --tiles pass
@@ -264,8 +264,8 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   if (o.tiles) {
     sweep_fused(res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }, true);
   }
-  if (o.fanout) {
-    sweep_fused(res.fused_fanout_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = false; }, true);
+  if (o.token_major) {
+    sweep_fused(res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; }, true);
   }
 
   megakernel::StagedForwardOptions so;
@@ -382,13 +382,13 @@ int main(int argc, char** argv) {
     };
     const double best_plain = variant(o.plain, "plain", &RankResult::fused_plain_ms);
     const double best_tiles = variant(o.tiles, "tiles", &RankResult::fused_tiles_ms);
-    const double best_fanout = variant(o.fanout, "fanout", &RankResult::fused_fanout_ms);
+    const double best_token_major = variant(o.token_major, "token_major", &RankResult::fused_token_major_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.plain || o.tiles || o.fanout) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
-    if (o.fanout) {
-      std::printf("%-7s fan-out dispatch into the row buffer (no gather): best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_fanout, ps ? "yes" : "NO");
+    if (o.plain || o.tiles || o.token_major) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    if (o.token_major) {
+      std::printf("%-7s token-major dispatch + GEMM 1 gathering its rows: best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), best_token_major, ps ? "yes" : "NO");
     }
     if (o.tiles) {
       std::printf("%-7s in-place combine by row tiles per CTA: best %.3f ms\n", o.shapes[i].c_str(), best_tiles);

@@ -30,8 +30,9 @@ struct Workspace::Impl {
   // compare): dedup fan-out dispatch, combine with the own rank's rows read in place.
   bool dispatch_dedup = true;
   bool combine_in_place = true;
-  // Fused path: token-major dispatch + GEMM 1 gathering its rows (same bits as the fan-out).
-  bool dispatch_token_major = true;
+  // Fused path: token-major dispatch + GEMM 1 gathering its rows (same bits as the fan-out;
+  // off by default, FusedForwardOptions::token_major). Set before the first forward pass.
+  bool dispatch_token_major = false;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

@@ -34,9 +34,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    const int full_arrivals = !p.gather.on || p.gather.tma == 1 ? 1
-                              : p.gather.tma == 2 ? gather_full_arrivals(3) : gather_full_arrivals(p.gather.warps);
-    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), full_arrivals);
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), p.gather.on ? kGatherFullArrivals : 1);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
   }
@@ -45,21 +43,10 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   list.set_routed_rows(p.routed1.sched.offsets, p.experts);
   const int warpgroup = threadIdx.x / gemm::kWarpGroupThreads;
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kFusedProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (p.gather.on) {
       auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
-      // EXPERIMENT: copy method and warp count chosen at run time (MOK_EXP_GATHER_*).
-      if (threadIdx.x < 32 * p.gather.warps) {
-        if (p.gather.tma == 1) {
-          if (p.gather.warps == 4) gemm_producer_gather<1, 4>(p, list, *ss, *table, cta, ctas);
-          else gemm_producer_gather<1, 1>(p, list, *ss, *table, cta, ctas);
-        } else if (p.gather.tma == 2) {
-          gemm_producer_gather<2, 4>(p, list, *ss, *table, cta, ctas);
-        } else {
-          if (p.gather.warps == 4) gemm_producer_gather<0, 4>(p, list, *ss, *table, cta, ctas);
-          else gemm_producer_gather<0, 1>(p, list, *ss, *table, cta, ctas);
-        }
-      }
+      if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
       gemm_producer(p, list, *ss, cta, ctas);
     }
@@ -209,17 +196,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     p.gather.tokens = s.tokens;
     p.gather.row_bytes = H * 2;
     p.gather.rank = state.rank();
-    const char* f = std::getenv("MOK_EXP_GATHER_FENCE");
-    p.gather.consumer_fence = f == nullptr || std::strcmp(f, "0") != 0;
-    const char* w = std::getenv("MOK_EXP_GATHER_WARPS");
-    p.gather.warps = w == nullptr ? 1 : std::atoi(w);
-    if (p.gather.warps != 1 && p.gather.warps != 4) p.gather.warps = 1;
-    const char* tm = std::getenv("MOK_EXP_GATHER_TMA");
-    p.gather.tma = tm == nullptr ? 0 : std::atoi(tm);
-    if (p.gather.tma == 2) p.gather.warps = 4;
-    using gemm::host::map_bf16;
-    p.gather.own_rows = map_bf16(args.x, 0, s.tokens, H, 64, 1, "x (gathered rows)");
-    p.gather.recv_rows = map_bf16(p.dispatch.recv, 0, s.ep * s.tokens, H, 64, 1, "recv (gathered rows)");
   }
   comm::CombineRole& c = p.combine;  // gated per row tile by GEMM 2
   c = state.combine_role(b.expert_out.get(), o.own_rows_in_place);

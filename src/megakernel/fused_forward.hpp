@@ -32,8 +32,11 @@ struct FusedForwardOptions {
   bool own_rows_in_place = true;  // combine: only other ranks' rows move; the epilogue reads own ones in place
   bool combine_remote_list = true;  // in-place combine over the schedule's remote-row list (false: row tiles per CTA)
   // dispatch: each other rank's token lands once in a token-major receive buffer and GEMM 1
-  // gathers its rows from x and that buffer (no fan-out, no expert-major row buffer). Same bits.
-  bool token_major = true;
+  // gathers its rows from x and that buffer with cp.async (no fan-out, no expert-major row
+  // buffer). Same bits. Off by default: the dispatch is ~2.7x faster, but on sm_90 the gather
+  // makes GEMM 1 slower than the fan-out costs (measured 1.03-1.08x the forward's time,
+  // docs/megakernel.md).
+  bool token_major = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

@@ -56,12 +56,6 @@ struct GatherParams {
   int64_t tokens = 0;
   int64_t row_bytes = 0;                 // H * 2
   int rank = 0;
-  bool consumer_fence = true;  // EXPERIMENT (MOK_EXP_GATHER_FENCE=0 turns the consumer proxy fence off)
-  int warps = 1;               // gathering producer warps: 1, 2 or 4 (EXPERIMENT: MOK_EXP_GATHER_WARPS)
-  // One TMA load per row (box 64 x 1, 128B swizzle from the shared-memory address) instead of
-  // cp.async (EXPERIMENT: MOK_EXP_GATHER_TMA=1).
-  int tma = 0;  // 0 cp.async, 1 TMA, 2 warp 0 TMA + warps 1-3 cp.async
-  CUtensorMap own_rows, recv_rows;  // x [T, H] and recv [ep * T, H], box 64 x 1
 };
 
 struct FusedForwardParams {
@@ -180,18 +174,20 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
 }
 
 // ---- gathering producer (token-major dispatch) -----------------------------------------------
-// Warp 0 of warpgroup 0 produces instead of one thread: lane 0 waits and issues the TMA loads
-// (B, and A of the tiles that are not gathered); for a routed GEMM 1 tile every lane copies
-// 16-byte chunks of the tile's 128 A rows with cp.async straight into the 128B-swizzled stage
-// layout that TMA would have written (same bytes, so the same wgmma results), zero-filling
-// padding rows. Every lane arrives once per stage (cp.async-tracked or plain), lane 0 also
-// with the expect_tx: the full barriers count 1 + 32 arrivals.
-__host__ __device__ constexpr int gather_full_arrivals(int warps) { return 1 + 32 * warps; }
+// The four warps of warpgroup 0 produce instead of one thread. Lane 0 of warp 0 issues the TMA
+// loads (B, and A of the tiles that are not gathered); for a routed GEMM 1 tile warp w copies
+// the 16-byte chunks of tile rows [32w, 32w + 32) with cp.async straight into the
+// 128B-swizzled stage layout that TMA would have written (same bytes, so the same wgmma
+// results). Every producer thread arrives once per stage (cp.async-tracked or plain), thread 0
+// also with the expect_tx: the full barriers count 1 + 128 arrivals. Measured (docs/megakernel.md):
+// one warp moves too little (one warp 1.33x the fan-out forward's time on dsv3, two 1.22x, four
+// 1.06x; one TMA load per row is slower still), so four warps, and the fan-out stays the default.
+inline constexpr int kGatherWarps = 4;
+inline constexpr int kGatherFullArrivals = 1 + 32 * kGatherWarps;
 // NOTE: setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384 = 64512):
-// with 48 producer registers the consumers' increase to 232 would wait forever (measured: the
-// fused kernel hung). The gathering producer must fit the TMA producer's 40.
-inline constexpr int kFusedProducerRegs = Cfg::kProducerRegs;
-static_assert(kFusedProducerRegs * gemm::kWarpGroupThreads + Cfg::kConsumerRegs * Cfg::kConsumerThreads <=
+// with 48 producer registers the consumers' increase to 232 waited forever (the fused kernel
+// hung). The gathering producer fits the TMA producer's 40.
+static_assert(Cfg::kProducerRegs * gemm::kWarpGroupThreads + Cfg::kConsumerRegs * Cfg::kConsumerThreads <=
                   168 * FusedCta::kThreads,
               "setmaxnreg cannot exceed the CTA's launch allocation");
 
@@ -237,7 +233,7 @@ __device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int 
   const uint32_t even = a_saddr + q * 128 + ((chunk ^ q) << 4);
   const uint32_t odd = a_saddr + (q + 4) * 128 + ((chunk ^ (q + 4)) << 4);
   const char* const* src = table.src + q;
-#pragma unroll 4
+#pragma unroll 1  // unrolled, the 40-register producer spills
   for (int i = i_begin; i < i_end; i += 2) {
     cp_async_16(even + i * 512, src[4 * i] + col);
     cp_async_16(odd + i * 512, src[4 * i + 4] + col);
@@ -246,29 +242,13 @@ __device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int 
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-// Row coordinate of tile row `row` for the TMA gather: >= 0 row of recv, <= -2 own token
-// -(v + 2) (padding: own row 0).
-__device__ __forceinline__ int32_t gather_coord(const GatherParams& g, int64_t row) {
-  const comm::RowEntry e = g.rows[row];
-  if (e.src_rank == g.rank) return -(e.token + 2);
-  if (e.src_rank >= 0) return static_cast<int32_t>(comm::recv_row(e.src_rank, e.token, g.tokens));
-  return -2;
-}
-
-// Warps [0, W) of warpgroup 0 run this; warp w owns tile rows [w * 128 / W, (w + 1) * 128 / W)
-// (its part of the row table and of every gathered stage), each warp waits for the inputs and
-// the free stage itself, and lane 0 of warp 0 alone issues the B (and non-gathered) TMA loads.
-// Mode 0: every row by cp.async; 1: every row by TMA (lane l: rows w * 128 / W + l + 32 j);
-// 2 (W = 4): warp 0's rows by TMA, warps 1-3's by cp.async.
-template <int Mode, int W>
+// Warp w (of kGatherWarps) owns tile rows [32w, 32w + 32): its part of the row table and of
+// every gathered stage. Each warp waits for the inputs and the free stage itself.
 __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
                                      GatherTable& table, int cta, int ctas) {
-  constexpr int kRows = gemm::kRowTileRows / W;  // rows of this warp
-  constexpr int kPerLane = kRows / 32;
+  constexpr int kRows = gemm::kRowTileRows / kGatherWarps;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_begin = warp * kRows;
-  static_assert(Mode != 2 || W == 4, "hybrid gather: four warps");
-  const bool kTma = Mode == 1 || (Mode == 2 && warp == 0);  // this warp's rows by TMA
   gemm::PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released
   const int n = list.size();
@@ -280,15 +260,9 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     const bool g1 = is_gemm1(t.kind);
     const bool gather = t.kind == TaskKind::kGemm1;
     const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
-    int32_t coord[Mode != 0 ? kPerLane : 1];
     if (gather && k_steps > 0) {
-      if (kTma) {
-#pragma unroll
-        for (int j = 0; j < kPerLane; ++j) coord[j] = gather_coord(p.gather, tile.row0 + row_begin + lane + 32 * j);
-      } else {
-        gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
-        __syncwarp();
-      }
+      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
+      __syncwarp();
     }
     for (int k = 0; k < k_steps; ++k) {
       int ok = 1;
@@ -297,11 +271,7 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
       uint64_t* full = &ss.bars.full[st.index];
       if (threadIdx.x == 0) {
         if (gather) {
-          // TMA gather: the rows' bytes count in the same transaction (other lanes' row loads
-          // may land before this expect_tx: the tx-count may go below zero meanwhile, and the
-          // phase cannot complete before this arrival).
-          constexpr int kTmaRows = Mode == 1 ? gemm::kRowTileRows : Mode == 2 ? kRows : 0;
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes + kTmaRows * 128);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
           G1Kind::load_b(p.routed1, tile, k, ss.b[st.index], full, 0);
         } else {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
@@ -309,21 +279,10 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
           else G2Kind::load_stage(gemm2_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
         }
       }
-      if (kTma) {
-        if (gather) {
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) {
-            const int32_t v = coord[j];
-            gemm::tma_load_2d(v >= 0 ? &p.gather.recv_rows : &p.gather.own_rows, full,
-                              ss.a[st.index] + (row_begin + lane + 32 * j) * 128, 64 * k, v >= 0 ? v : -(v + 2));
-          }
-        }
+      if (gather) {
+        gather_a_stage(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
       } else {
-        if (gather) {
-          gather_a_stage(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
-        } else {
-          cutlass::arch::ClusterBarrier::arrive(full);
-        }
+        cutlass::arch::ClusterBarrier::arrive(full);
       }
       st.advance();
     }
@@ -425,7 +384,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     if (ctx.tid == 0 && k_steps > 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
       pending.flush();  // about to block on the producer: publish first
     }
-    const bool gathered = p.gather.on && p.gather.consumer_fence && t.kind == TaskKind::kGemm1;
+    const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {

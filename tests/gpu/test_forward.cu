@@ -284,10 +284,10 @@ struct PassBits {
 };
 
 // Copy modes of the forward (all give the same bits):
-//   kDefault  token-major dispatch with gathering GEMM 1 (fused) / dedup fan-out (staged), in-place combine
-//   kPlain    plain pull into the row buffer, every slot filled
-//   kFanOut   the dedup fan-out dispatch into the row buffer (fused: token-major off), in-place combine
-enum class CopyModes { kDefault, kPlain, kFanOut };
+//   kDefault     dedup fan-out dispatch into the row buffer, in-place combine
+//   kPlain       plain pull into the row buffer, every slot filled
+//   kTokenMajor  fused only: token-major dispatch, GEMM 1 gathering its rows, in-place combine
+enum class CopyModes { kDefault, kPlain, kTokenMajor };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -298,7 +298,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     auto ws = Workspace::create(s, cfg, r.comm, r.device);
     ws->impl().forward_path = path;
     ws->impl().dispatch_dedup = ws->impl().combine_in_place = modes != CopyModes::kPlain;
-    ws->impl().dispatch_token_major = modes == CopyModes::kDefault;
+    ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -337,15 +337,15 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto staged = run_path(p, cfg, megakernel::ForwardPath::kStaged);
   const auto fused = run_path(p, cfg, megakernel::ForwardPath::kFused);
   // The plain pull dispatch and the all-slots combine (the copy modes off), and the fan-out
-  // dispatch into the row buffer (no gathering GEMM 1), give the same bits.
+  // token-major dispatch with GEMM 1 gathering its rows, give the same bits.
   const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPlain);
-  const auto fused_fanout = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFanOut);
+  const auto fused_gather = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kTokenMajor);
   for (int r = 0; r < ep; ++r) {
     EXPECT_TRUE(same_bits(fused_plain[r].y, fused[r].y)) << c.name << " rank " << r << ": y, copy modes off";
     EXPECT_TRUE(same_bits(fused_plain[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, copy modes off";
-    EXPECT_TRUE(same_bits(fused_fanout[r].y, fused[r].y)) << c.name << " rank " << r << ": y, fan-out dispatch";
-    EXPECT_TRUE(same_bits(fused_fanout[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, fan-out dispatch";
-    EXPECT_TRUE(same_bits(fused_fanout[r].u, fused[r].u)) << c.name << " rank " << r << ": saved u, fan-out dispatch";
+    EXPECT_TRUE(same_bits(fused_gather[r].y, fused[r].y)) << c.name << " rank " << r << ": y, token-major";
+    EXPECT_TRUE(same_bits(fused_gather[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, token-major";
+    EXPECT_TRUE(same_bits(fused_gather[r].u, fused[r].u)) << c.name << " rank " << r << ": saved u, token-major";
     EXPECT_TRUE(same_bits(fused[r].y, staged[r].y)) << c.name << " rank " << r << ": y";
     EXPECT_TRUE(same_bits(fused[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g";
     EXPECT_TRUE(same_bits(fused[r].u, staged[r].u)) << c.name << " rank " << r << ": saved u";
