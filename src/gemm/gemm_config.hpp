@@ -35,8 +35,14 @@ inline constexpr int kPipeStages = kEpiBuffers == 2 ? 3 : 4;  // the kinds' Tile
 // each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.
 // Clusters of kClusterM CTAs work on vertically adjacent tiles that share their B tile: each
 // CTA loads 1/kClusterM of it and multicasts it to the cluster (halves the L2->SM traffic of B).
-template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM>
+//
+// PingPong: the two consumer warpgroups take alternate tiles of the CTA, each a whole 128 x kBN
+// tile (two 64-row wgmma atoms per K step), so one warpgroup's epilogue runs while the other's
+// K loop keeps the tensor cores busy. Cluster 1 only; a stage is released by one warpgroup.
+template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM, bool PingPong = false>
 struct TileConfig {
+  static constexpr bool kPingPong = PingPong;
+  static_assert(!PingPong || ClusterM == 1, "ping-pong consumers without clusters");
   static constexpr int kBM = 128;
   static constexpr int kBN = BN;
   static constexpr int kBK = 64;

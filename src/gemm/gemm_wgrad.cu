@@ -1,5 +1,7 @@
 // wgrad launcher: K-grouped weight gradients over each expert's rows (sm_90a).
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "gemm/grouped_gemm.hpp"
@@ -20,6 +22,12 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   static_assert(int(WgradOut::kPartialFp32) == kWgradPartialFp32 && int(WgradOut::kWriteBf16) == kWgradWriteBf16 &&
                 int(WgradOut::kAccumulateFp32) == kWgradAccumulateFp32);
   const int64_t R = a.seg.buffer_rows, E = a.seg.experts;
+  // Developer knob (A/B measurement, docs/gemm.md): MOK_GEMM_WGRAD_PINGPONG=1 runs bf16 output
+  // on ping-pong consumers with 128 x 128 tiles (WgradPingPongKind); by default, and for the fp32
+  // modes always, the cooperative 128 x 256 kernel runs.
+  const char* pp_env = std::getenv("MOK_GEMM_WGRAD_PINGPONG");
+  const bool pingpong = a.mode == WgradOut::kWriteBf16 && pp_env != nullptr && std::strcmp(pp_env, "1") == 0;
+  const int tile_n = pingpong ? WgradPingPongKind::kTileN : 256;
   WgradParams p{};
   p.sched.offsets = a.seg.offsets;
   p.sched.rows = a.seg.rows;
@@ -48,7 +56,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
     kp.partial_in = pr.partial_in;
     kp.out_ptr = pr.out;
     p.sched.m_tiles[q] = static_cast<int>((pr.m + 127) / 128);
-    p.sched.n_tiles[q] = static_cast<int>((pr.n + 255) / 256);
+    p.sched.n_tiles[q] = static_cast<int>((pr.n + tile_n - 1) / tile_n);
     tiles += E * p.sched.m_tiles[q] * p.sched.n_tiles[q];
   }
   if (tiles >= (int64_t{1} << 31)) throw_invalid("wgrad problem", "fewer than 2^31 tiles", std::to_string(tiles));
@@ -61,7 +69,13 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   p.sched.cluster = 1;
   switch (a.mode) {
     case WgradOut::kPartialFp32: host::launch_kind<WgradKind<kWgradPartialFp32, 1>>(p, l, stream); break;
-    case WgradOut::kWriteBf16: host::launch_kind<WgradKind<kWgradWriteBf16, 1>>(p, l, stream); break;
+    case WgradOut::kWriteBf16:
+      if (pingpong) {
+        host::launch_kind<WgradPingPongKind>(p, l, stream);
+      } else {
+        host::launch_kind<WgradKind<kWgradWriteBf16, 1>>(p, l, stream);
+      }
+      break;
     case WgradOut::kAccumulateFp32: host::launch_kind<WgradKind<kWgradAccumulateFp32, 1>>(p, l, stream); break;
   }
 }

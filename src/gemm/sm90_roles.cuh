@@ -61,6 +61,25 @@ __device__ inline auto make_consumer_mma() {
   return cute::make_tiled_mma(op, cute::Layout<cute::Shape<_2, _1, _1>>{});
 }
 
+// Ping-pong: one warpgroup covers the whole 128-row tile (the 64-row atom twice along M).
+template <class Cfg>
+__device__ inline auto make_pingpong_mma() {
+  using T = cute::bfloat16_t;
+  auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kBN>, cute::_64>,
+                                       gmma_major<Cfg::kAMajor>(), gmma_major<Cfg::kBMajor>()>();
+  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<_1, _1, _1>>{});
+}
+
+// Moves a pipeline state past `steps` stages without touching them (the other warpgroup's
+// tile in ping-pong). Closed form: a loop here, ahead of the wgmma loop, makes ptxas
+// serialise wgmma (C7518, see docs/gemm.md).
+template <int Stages>
+__device__ inline void skip_stages(PipeState<Stages>& st, int steps) {
+  const int pos = st.index + steps;
+  st.index = pos % Stages;
+  st.phase ^= static_cast<uint32_t>((pos / Stages) & 1);
+}
+
 // ---- Producer ----------------------------------------------------------------------------
 
 // One thread issues every TMA load of the CTA. Returns early only on a timeout.
@@ -138,6 +157,7 @@ __device__ inline void release_stage(SharedStorage<Cfg>& ss, int s, int tid_in_w
 }
 template <class Cfg>
 constexpr int empty_barrier_arrivals() {
+  if constexpr (Cfg::kPingPong) return kWarpGroupThreads;  // one warpgroup reads a stage
   return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
 }
 
