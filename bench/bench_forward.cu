@@ -237,35 +237,50 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   const ForwardArgs args = L.args();
   comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
 
-  // Fused, sweeping the communication CTAs: the defaults, then the variants (--plain, --tiles),
-  // whose y is compared with the default's.
-  auto sweep_fused = [&](std::map<int, double>& ms, auto configure, bool compare) {
-    for (int c : o.comm) {
-      megakernel::FusedForwardOptions fo;
-      fo.comm_ctas = c;
-      fo.timeout_s = cfg.wait_timeout_s;
-      configure(fo);
-      ms[c] = time_ms(o, sync, st, [&] {
+  // Fused, sweeping the communication CTAs. The variants (--plain, --tiles, --token-major) are
+  // timed right after the default at each comm count (interleaved: clocks drift over a sweep,
+  // measured up to ~20 % on one point, so sweeping one mode after the other biased the
+  // comparison), and their y is compared with the default's.
+  using Configure = void (*)(megakernel::FusedForwardOptions&);
+  struct Mode {
+    bool on;
+    std::map<int, double>* ms;
+    Configure configure;
+  };
+  const Mode modes[] = {
+      {true, &res.fused_ms, [](megakernel::FusedForwardOptions&) {}},
+      {o.plain, &res.fused_plain_ms,
+       [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; }},
+      {o.tiles, &res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }},
+      {o.token_major, &res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; }},
+  };
+  auto options_for = [&](int c, Configure configure) {
+    megakernel::FusedForwardOptions fo;
+    fo.comm_ctas = c;
+    fo.timeout_s = cfg.wait_timeout_s;
+    configure(fo);
+    return fo;
+  };
+  {  // the default's y: the reference of the variants' bits
+    const auto fo = options_for(o.comm.front(), modes[0].configure);
+    schedule(*ws, L.topk_idx.get(), st);
+    megakernel::fused_forward(state, buf, args, w, fo, st);
+    impl.last_stream = st;
+    ws->check();
+    MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
+  }
+  for (int c : o.comm) {
+    for (const Mode& m : modes) {
+      if (!m.on) continue;
+      const auto fo = options_for(c, m.configure);
+      (*m.ms)[c] = time_ms(o, sync, st, [&] {
         schedule(*ws, L.topk_idx.get(), st);
         megakernel::fused_forward(state, buf, args, w, fo, st);
       });
       impl.last_stream = st;
       ws->check();
-      if (compare) res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+      if (&m != &modes[0]) res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
     }
-  };
-  sweep_fused(res.fused_ms, [](megakernel::FusedForwardOptions&) {}, false);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
-  if (o.plain) {
-    sweep_fused(res.fused_plain_ms,
-                [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; },
-                true);
-  }
-  if (o.tiles) {
-    sweep_fused(res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }, true);
-  }
-  if (o.token_major) {
-    sweep_fused(res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; }, true);
   }
 
   megakernel::StagedForwardOptions so;
