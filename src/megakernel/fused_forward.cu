@@ -46,12 +46,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (p.gather.on) {
       auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
-      if (threadIdx.x < 32 * kGatherWarps) {
-        if (p.gather.variant == 1) gemm_producer_gather<1>(p, list, *ss, *table, cta, ctas);
-        else if (p.gather.variant == 2) gemm_producer_gather<2>(p, list, *ss, *table, cta, ctas);
-        else if (p.gather.variant == 3) gemm_producer_gather<3>(p, list, *ss, *table, cta, ctas);
-        else gemm_producer_gather<0>(p, list, *ss, *table, cta, ctas);
-      }
+      if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
       gemm_producer(p, list, *ss, cta, ctas);
     }
@@ -201,8 +196,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     p.gather.tokens = s.tokens;
     p.gather.row_bytes = H * 2;
     p.gather.rank = state.rank();
-    const char* gv = std::getenv("MOK_EXP_GATHER_VARIANT");
-    p.gather.variant = gv == nullptr ? 0 : std::atoi(gv);
   }
   comm::CombineRole& c = p.combine;  // gated per row tile by GEMM 2
   c = state.combine_role(b.expert_out.get(), o.own_rows_in_place);

@@ -34,7 +34,7 @@ struct FusedForwardOptions {
   // dispatch: each other rank's token lands once in a token-major receive buffer and GEMM 1
   // gathers its rows from x and that buffer with cp.async (no fan-out, no expert-major row
   // buffer). Same bits. Off by default: the dispatch is ~2.7x faster, but on sm_90 the gather
-  // makes GEMM 1 slower than the fan-out costs (measured 1.03-1.08x the forward's time,
+  // makes GEMM 1 slower than the fan-out costs (measured 1.05-1.18x the forward's time,
   // docs/megakernel.md).
   bool token_major = false;
 };

@@ -56,7 +56,6 @@ struct GatherParams {
   int64_t tokens = 0;
   int64_t row_bytes = 0;                 // H * 2
   int rank = 0;
-  int variant = 0;  // EXPERIMENT (MOK_EXP_GATHER_VARIANT): 0 row table, 1 row per thread .cg, 2 .ca
 };
 
 struct FusedForwardParams {
@@ -181,8 +180,9 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
 // 128B-swizzled stage layout that TMA would have written (same bytes, so the same wgmma
 // results). Every producer thread arrives once per stage (cp.async-tracked or plain), thread 0
 // also with the expect_tx: the full barriers count 1 + 128 arrivals. Measured (docs/megakernel.md):
-// one warp moves too little (one warp 1.33x the fan-out forward's time on dsv3, two 1.22x, four
-// 1.06x; one TMA load per row is slower still), so four warps, and the fan-out stays the default.
+// one warp moves too little (one warp 1.32x the fan-out forward's time on dsv3, two 1.23x; one
+// TMA load per row is slower still), so four warps (1.16x, timed interleaved with the
+// fan-out), and the fan-out stays the default.
 inline constexpr int kGatherWarps = 4;
 inline constexpr int kGatherFullArrivals = 1 + 32 * kGatherWarps;
 // NOTE: setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384 = 64512):
@@ -226,7 +226,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const char* src) {
 // ((chunk ^ row % 8) * 16), the SW128 K-major layout (Layout_K_SW128_Atom, TMA SWIZZLE_128B);
 // row % 8 is l / 8 for even i and l / 8 + 4 for odd i, so two base addresses serve all rows.
 // Rows 4i + l / 8 for i in [i_begin, i_end) (even bounds).
-template <bool kUnroll = false>
 __device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int k, uint64_t* full, int lane,
                                       int i_begin, int i_end) {
   const uint32_t a_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(a));
@@ -235,52 +234,19 @@ __device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int 
   const uint32_t even = a_saddr + q * 128 + ((chunk ^ q) << 4);
   const uint32_t odd = a_saddr + (q + 4) * 128 + ((chunk ^ (q + 4)) << 4);
   const char* const* src = table.src + q;
-  if constexpr (kUnroll) {
-#pragma unroll 4
-    for (int i = i_begin; i < i_end; i += 2) {
-      cp_async_16(even + i * 512, src[4 * i] + col);
-      cp_async_16(odd + i * 512, src[4 * i + 4] + col);
-    }
-  } else {
-#pragma unroll 1  // unrolled, the 40-register producer spills
-    for (int i = i_begin; i < i_end; i += 2) {
-      cp_async_16(even + i * 512, src[4 * i] + col);
-      cp_async_16(odd + i * 512, src[4 * i + 4] + col);
-    }
+  // NOTE: not unrolled: unrolled 4x the 40-register producer spills, and it measured no faster
+  // (bench/results/2026-11-30-forward-v17-*).
+#pragma unroll 1
+  for (int i = i_begin; i < i_end; i += 2) {
+    cp_async_16(even + i * 512, src[4 * i] + col);
+    cp_async_16(odd + i * 512, src[4 * i + 4] + col);
   }
   const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-// One row per producer thread (EXPERIMENT, V = 1: .cg, V = 2: .ca): thread r copies the eight
-// 16-byte chunks of tile row r (chunk c to (c ^ r % 8) * 16 of the row's 128 bytes).
-template <int V>
-__device__ __forceinline__ void gather_row_stage(const char* src, uint8_t* a, int k, uint64_t* full, int row) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(a)) + row * 128;
-  const char* from = src + static_cast<int64_t>(k) * 128;
-  const int r7 = row & 7;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    if constexpr (V == 2) {
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst + ((c ^ r7) << 4)), "l"(from + 16 * c) : "memory");
-    } else {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + ((c ^ r7) << 4)), "l"(from + 16 * c) : "memory");
-    }
-  }
-  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ const char* gather_source(const GatherParams& g, int64_t row) {
-  const comm::RowEntry e = g.rows[row];
-  if (e.src_rank == g.rank) return g.own_x + e.token * g.row_bytes;
-  if (e.src_rank >= 0) return g.recv + comm::recv_row(e.src_rank, e.token, g.tokens) * g.row_bytes;
-  return g.own_x;
 }
 
 // Warp w (of kGatherWarps) owns tile rows [32w, 32w + 32): its part of the row table and of
 // every gathered stage. Each warp waits for the inputs and the free stage itself.
-template <int V>
 __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
                                      GatherTable& table, int cta, int ctas) {
   constexpr int kRows = gemm::kRowTileRows / kGatherWarps;
@@ -297,14 +263,9 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     const bool g1 = is_gemm1(t.kind);
     const bool gather = t.kind == TaskKind::kGemm1;
     const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
-    const char* my_src = nullptr;
     if (gather && k_steps > 0) {
-      if constexpr (V == 0 || V == 3) {
-        gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
-        __syncwarp();
-      } else {
-        my_src = gather_source(p.gather, tile.row0 + threadIdx.x);
-      }
+      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
+      __syncwarp();
     }
     for (int k = 0; k < k_steps; ++k) {
       int ok = 1;
@@ -322,11 +283,7 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
         }
       }
       if (gather) {
-        if constexpr (V == 0 || V == 3) {
-          gather_a_stage<V == 3>(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
-        } else {
-          gather_row_stage<V>(my_src, ss.a[st.index], k, full, threadIdx.x);
-        }
+        gather_a_stage(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
       } else {
         cutlass::arch::ClusterBarrier::arrive(full);
       }
