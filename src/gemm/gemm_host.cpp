@@ -2,8 +2,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "mok/error.hpp"
@@ -100,10 +98,5 @@ int resolve_grid(const Launch& launch) {
 }
 
 uint64_t timeout_ns(const Launch& launch) { return static_cast<uint64_t>(launch.timeout_s * 1e9); }
-
-int skip_padding_warpgroups() {
-  const char* v = std::getenv("MOK_GEMM_WG_SKIP");
-  return v != nullptr && std::strcmp(v, "0") == 0 ? 0 : 1;
-}
 
 }  // namespace mok::gemm::host

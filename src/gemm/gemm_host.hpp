@@ -28,7 +28,4 @@ int resolve_grid(const Launch& launch);  // launch.grid or the SM count of the c
 uint64_t timeout_ns(const Launch& launch);
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
 
-// RowScheduler::skip_padding_wg: 1 unless MOK_GEMM_WG_SKIP=0 (developer knob, A/B only).
-int skip_padding_warpgroups();
-
 }  // namespace mok::gemm::host

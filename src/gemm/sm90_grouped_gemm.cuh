@@ -41,9 +41,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   for (int t = cluster_id; t < tiles; t += clusters) {
     const auto tile = Kind::tile(p, sched, t, rank);
     Kind::seed(p, tile, ctx, acc);
-    // NOTE: warp-uniform through a shuffle (a threadIdx-derived branch around wgmma serialises it).
-    const bool compute = __shfl_sync(0xffffffffu, Kind::computes(p, tile, ctx.wg) ? 1 : 0, 0) != 0;
-    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid, false, compute)) break;
+    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid)) break;
     if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();

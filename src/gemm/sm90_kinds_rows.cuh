@@ -30,12 +30,6 @@ struct RowKindBase {
   // every CTA's tile is padding: the CTAs run their K loops in lockstep).
   template <class P>
   __device__ static int k_steps(const P& p, const RowTile& tile) { return tile.any_real ? p.k_steps : 0; }
-  // Whether consumer warpgroup wg (rows [64 wg, 64 wg + 64) of the tile) runs its wgmma
-  // (RowScheduler::skip_padding_wg).
-  template <class P>
-  __device__ static bool computes(const P& p, const RowTile& tile, int wg) {
-    return p.sched.skip_padding_wg == 0 || tile.real_rows > 64 * wg;
-  }
   template <class P, class Acc>
   __device__ static void seed(const P&, const RowTile&, const EpiCtx&, Acc& acc) {
 #pragma unroll

@@ -51,7 +51,6 @@ struct WgradKind {
   __device__ static KTile tile(const Params&, const KGroupedScheduler& s, int t, int rank) { return s.tile(t, rank); }
   __device__ static void producer_check(const Params& p, const KTile& t) { p.sched.check_range(t.expert, p.err); }
   __device__ static int k_steps(const Params&, const KTile& t) { return t.k_steps; }
-  __device__ static bool computes(const Params&, const KTile&, int) { return true; }  // K-grouped: no padding rows
 
   __device__ static void load_stage(const Params& p, const KTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {

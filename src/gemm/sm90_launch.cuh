@@ -60,7 +60,6 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   const char* g = std::getenv("MOK_GEMM_GROUP_M");
   s.group_m = g != nullptr && std::atoi(g) > 0 ? std::atoi(g) : group_m;
   s.cluster = 1;  // set by the launcher
-  s.skip_padding_wg = skip_padding_warpgroups();  // gemm_host.hpp
   return s;
 }
 

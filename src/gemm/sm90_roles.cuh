@@ -162,26 +162,12 @@ constexpr int empty_barrier_arrivals() {
 }
 
 // proxy_fence: the stage's A tile was written by cp.async (generic proxy, a gathering
-// producer), which wgmma (async proxy) reads only after a proxy fence. compute == false (this
-// warpgroup's rows of the tile are all padding, warpgroup-uniform): every stage is taken and
-// released at once, no wgmma; the accumulators keep their seed.
+// producer), which wgmma (async proxy) reads only after a proxy fence.
 template <class Cfg, class Mma, class FragA, class FragB, class Acc>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
-                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, bool compute = true) {
+                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false) {
   using cute::_;
-  if (!compute) {
-    for (int k = 0; k < k_steps; ++k) {
-      if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
-      release_stage(ss, st.index, tid_in_wg);
-      // NOTE: stay in step with the computing warpgroup (wait until it released this stage too):
-      // running ahead takes the ring's prefetch from it (measured without this wait: GEMM 1 on
-      // random segments 1.39x slower, docs/gemm.md). Its phase has the full barrier's parity.
-      if (!wait_barrier(&ss.bars.empty[st.index], st.phase, err)) return false;
-      st.advance();
-    }
-    return true;
-  }
   int prev = -1;
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;

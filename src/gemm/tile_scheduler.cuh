@@ -46,11 +46,6 @@ struct RowScheduler {
   int n_tiles;  // output column blocks per row tile
   int group_m;  // row tiles per raster group
   int cluster;  // CTAs per cluster (1 or 2)
-  // A consumer warpgroup whose 64 rows of a tile are all padding skips its wgmma (it still takes
-  // and releases every stage): a tail tile with <= 64 real rows costs one warpgroup's MMAs.
-  // 0 turns it off (developer knob MOK_GEMM_WG_SKIP=0, A/B only). Same bits either way: padding
-  // rows are stored as zeros.
-  int skip_padding_wg = 1;
 
   __device__ int first_row_tile() const { return __ldg(offsets) / kRowTileRows; }
   __device__ int row_tiles() const { return __ldg(offsets + experts) / kRowTileRows - first_row_tile(); }

@@ -161,7 +161,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.routed1.sched.n_tiles = static_cast<int>(ceil_div(I, 128));
   p.routed1.sched.group_m = gemm::kGroupM;
   p.routed1.sched.cluster = 1;
-  p.routed1.sched.skip_padding_wg = gemm::host::skip_padding_warpgroups();  // read by computes() of every task
   if (s.has_shared()) {
     gemm::host::check_pointer("ForwardArgs.x", args.x);
     // x itself is the shared expert's row operand: TMA reads rows past T as zeros, exactly
@@ -170,8 +169,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
                                  b.shared_g.get(), b.shared_u.get(), b.shared_rows, H, S, err);
     p.shared2 = gemm2_params_for(b.shared_h.get(), w.shared_down, 1, b.shared_out.get(), b.shared_rows, H, S, err);
   }
-  p.routed2.sched.skip_padding_wg = p.shared1.sched.skip_padding_wg = p.shared2.sched.skip_padding_wg =
-      p.routed1.sched.skip_padding_wg;
   p.tasks.shared_row_tiles = s.has_shared() ? static_cast<int>(b.shared_rows / kRowTile) : 0;
   p.tasks.shared_n1 = static_cast<int>(ceil_div(S, 128));
   p.tasks.n1 = static_cast<int>(ceil_div(I, 128));

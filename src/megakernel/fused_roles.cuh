@@ -388,10 +388,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       pending.flush();  // about to block on the producer: publish first
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
-    // NOTE: warp-uniform through a shuffle (a threadIdx-derived branch around wgmma serialises it).
-    const bool computes = g1 ? G1Kind::computes(p1, tile, ctx.wg) : G2Kind::computes(p2, tile, ctx.wg);
-    const bool compute = __shfl_sync(0xffffffffu, computes ? 1 : 0, 0) != 0;
-    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, compute)) break;
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
       if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
