@@ -591,7 +591,10 @@ void write_json(Shared& sh, const std::string& command) {
                  "dispatch moves only dispatch_bytes_min over NVLink (dispatch_nvlink_GBps) and delivers the same "
                  "(token, k) rows; the in-place combine moves exactly dispatch_bytes_moved over NVLink and leaves the "
                  "own rank's rows (self_bytes) in place for the epilogue (epilogue_in_place_ms). NCCL copies the own "
-                 "share locally; the plain copies move the remote bytes only"
+                 "share locally; the plain copies move the remote bytes only. dispatch_token_major_GBps, "
+                 "p2p_copy_min_GBps, nccl_a2a_min_GBps: dispatch_bytes_min (each distinct (token, other rank) row "
+                 "once) over the token-major dispatch's time, a plain pull copy of exactly those bytes, and NCCL "
+                 "all-to-all of exactly those bytes (own share excluded)"
                : "EP=1 self-copy through HBM (no NVLink); EP=2 figures not measured")
     << "\",\n  \"metrics\": {"
     << "\"dispatch_GBps\": " << fmt(gbps(moved, d.ms)) << ", \"combine_GBps\": " << fmt(gbps(moved, c.ms))
