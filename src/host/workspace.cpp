@@ -57,8 +57,6 @@ std::unique_ptr<Workspace> Workspace::create(const LayerShape& shape, const Conf
   impl->comm = comm;
   impl->state = std::make_unique<comm::CommState>(shape, config, comm);
   impl->forward = std::make_unique<megakernel::ForwardBuffers>(shape, config, impl->state->view().buffer_rows);
-  // The fused forward's token-major dispatch lands other ranks' tokens in CommState's receive
-  // buffer ([ep * T, H]), allocated on its first use (off by default).
   impl->forward_path = megakernel::forward_path_from_env();
   return std::unique_ptr<Workspace>(new Workspace(std::move(impl)));
 }
