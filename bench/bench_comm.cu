@@ -384,20 +384,22 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     return sh.failed.load();
   };
 
-  // Baselines first: a variant that fails later cannot cost them.
-  if (!sh.failed) {
-    // NCCL all-to-all of the same bytes per (source, destination) pair, self included like dispatch.
+  // NCCL all-to-all (grouped send/recv) of rows[s][d] rows from rank s to rank d; the own
+  // rank's pair too when with_self (NCCL copies it locally).
+  auto time_nccl_a2a = [&](const std::vector<std::vector<int64_t>>& rows, bool with_self) {
     int64_t send_total = 0, recv_total = 0;
     for (int p = 0; p < ep; ++p) {
-      send_total += pair_rows[r][p] * row_bytes;
-      recv_total += pair_rows[p][r] * row_bytes;
+      if (p == r && !with_self) continue;
+      send_total += rows[r][p] * row_bytes;
+      recv_total += rows[p][r] * row_bytes;
     }
     comm::DeviceBuffer<char> sendbuf(send_total), recvbuf(recv_total);
-    sh.nccl_ms[r] = time_ms(o, sh.sync, stream, [&] {
+    return time_ms(o, sh.sync, stream, [&] {
       MOK_NCCL_CHECK(ncclGroupStart());
       int64_t so = 0, ro = 0;
       for (int p = 0; p < ep; ++p) {
-        const int64_t sbytes = pair_rows[r][p] * row_bytes, rbytes = pair_rows[p][r] * row_bytes;
+        if (p == r && !with_self) continue;
+        const int64_t sbytes = rows[r][p] * row_bytes, rbytes = rows[p][r] * row_bytes;
         MOK_NCCL_CHECK(ncclSend(sendbuf.get() + so, sbytes, ncclChar, p, lr.comm, stream));
         MOK_NCCL_CHECK(ncclRecv(recvbuf.get() + ro, rbytes, ncclChar, p, lr.comm, stream));
         so += sbytes;
@@ -405,30 +407,17 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
       }
       MOK_NCCL_CHECK(ncclGroupEnd());
     });
+  };
+
+  // Baselines first: a variant that fails later cannot cost them.
+  if (!sh.failed) {
+    // The same bytes per (source, destination) pair as dispatch, self included like dispatch.
+    sh.nccl_ms[r] = time_nccl_a2a(pair_rows, true);
     stop_if_failed("nccl");
   }
   if (!sh.failed && ep > 1) {
-    // NCCL all-to-all of the distinct (token, rank) rows: what the token-major dispatch moves.
-    int64_t send_total = 0, recv_total = 0;
-    for (int p = 0; p < ep; ++p) {
-      if (p == r) continue;
-      send_total += pair_tokens[r][p] * row_bytes;
-      recv_total += pair_tokens[p][r] * row_bytes;
-    }
-    comm::DeviceBuffer<char> sendbuf(send_total), recvbuf(recv_total);
-    sh.nccl_min_ms[r] = time_ms(o, sh.sync, stream, [&] {
-      MOK_NCCL_CHECK(ncclGroupStart());
-      int64_t so = 0, ro = 0;
-      for (int p = 0; p < ep; ++p) {
-        if (p == r) continue;
-        const int64_t sbytes = pair_tokens[r][p] * row_bytes, rbytes = pair_tokens[p][r] * row_bytes;
-        MOK_NCCL_CHECK(ncclSend(sendbuf.get() + so, sbytes, ncclChar, p, lr.comm, stream));
-        MOK_NCCL_CHECK(ncclRecv(recvbuf.get() + ro, rbytes, ncclChar, p, lr.comm, stream));
-        so += sbytes;
-        ro += rbytes;
-      }
-      MOK_NCCL_CHECK(ncclGroupEnd());
-    });
+    // The distinct (token, rank) rows: what the token-major dispatch moves (no own share).
+    sh.nccl_min_ms[r] = time_nccl_a2a(pair_tokens, false);
     stop_if_failed("nccl (distinct rows)");
   }
   if (!sh.failed) {
