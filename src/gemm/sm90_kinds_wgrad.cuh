@@ -74,19 +74,24 @@ struct WgradKind {
     return {(static_cast<int64_t>(t.expert) * pr.m + m) * pr.n + n, m < pr.m && n < pr.n};
   }
 
-  // Accumulators start from the fp32 partial of an earlier call (exact reload) or zeros.
+  // Accumulators start from the fp32 partial of an earlier call (exact reload) or zeros;
+  // coord_of(i) places fragment pair i (the kind's own fragment layout).
   // NOTE: accumulator registers are only written by predicated instructions, never under a
   // branch: a divergent definition makes ptxas serialise every wgmma (C7518).
-  template <class Acc>
-  __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    const Problem& pr = problem(p, t);
+  template <class Acc, class CoordOf>
+  __device__ static void seed_from_partial(const Problem& pr, Acc& acc, CoordOf coord_of) {
     const float* partial = pr.partial_in;
     const bool any = partial != nullptr;
 #pragma unroll
     for (int i = 0; i < cute::size(acc); i += 2) {
-      const Coord c = coord(pr, t, ctx, i);
+      const Coord c = coord_of(i);
       ld_f2_pred(partial + c.offset, any && c.in, acc(i), acc(i + 1));
     }
+  }
+  template <class Acc>
+  __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    const Problem& pr = problem(p, t);
+    seed_from_partial(pr, acc, [&](int i) { return coord(pr, t, ctx, i); });
   }
 
   template <class Acc>
@@ -189,13 +194,7 @@ struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1> {
   template <class Acc>
   __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
     const Problem& pr = problem(p, t);
-    const float* partial = pr.partial_in;
-    const bool any = partial != nullptr;
-#pragma unroll
-    for (int v = 0; v < cute::size(acc); v += 2) {
-      const Coord c = coord(pr, t, ctx, v);
-      ld_f2_pred(partial + c.offset, any && c.in, acc(v), acc(v + 1));
-    }
+    Base::seed_from_partial(pr, acc, [&](int v) { return coord(pr, t, ctx, v); });
   }
 
   template <class Acc>
