@@ -21,20 +21,12 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   const int ctid = threadIdx.x - kWarpGroupThreads;
   auto mma = make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
-  auto sA = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.a[0])),
-                              smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages>());
-  auto sB = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.b[0])),
-                              smem_operand_layout<Cfg::kBMajor, Cfg::kBN, Cfg::kStages>());
-  auto tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  auto tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  auto tCrA = thr.make_fragment_A(thr.partition_A(smem_a(ss)));
+  auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
   static_assert(decltype(cute::size(acc))::value == Cfg::kBN / 2, "64xBN fragment per thread");
 
-  EpiCtx ctx;
-  ctx.wg = ctid / kWarpGroupThreads;
-  ctx.tid = ctid % kWarpGroupThreads;
-  ctx.stage = ss.epi[ctx.wg];
-  ctx.stage_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(ctx.stage));
+  const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
 
   PipeState<Cfg::kStages> st;
   const int tiles = sched.num_tiles();
@@ -71,20 +63,12 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
   const int wg = __shfl_sync(0xffffffffu, ctid / kWarpGroupThreads, 0);
   auto mma = make_pingpong_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid % kWarpGroupThreads);
-  auto sA = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.a[0])),
-                              smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages>());
-  auto sB = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.b[0])),
-                              smem_operand_layout<Cfg::kBMajor, Cfg::kBN, Cfg::kStages>());
-  auto tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  auto tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  auto tCrA = thr.make_fragment_A(thr.partition_A(smem_a(ss)));
+  auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
   static_assert(decltype(cute::size(acc))::value == Cfg::kBM * Cfg::kBN / kWarpGroupThreads, "128xBN per warpgroup");
 
-  EpiCtx ctx;
-  ctx.wg = wg;
-  ctx.tid = ctid % kWarpGroupThreads;
-  ctx.stage = ss.epi[wg];
-  ctx.stage_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(ctx.stage));
+  const EpiCtx ctx = make_epi_ctx(ss, wg, ctid % kWarpGroupThreads);
 
   PipeState<Cfg::kStages> st;
   const int tiles = sched.num_tiles();

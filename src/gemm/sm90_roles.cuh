@@ -47,6 +47,18 @@ __device__ inline auto smem_operand_layout() {
   }
 }
 
+// The A and B stage rings as CuTe tensors (rows, 64, stages) in the kinds' layouts.
+template <class Cfg>
+__device__ inline auto smem_a(SharedStorage<Cfg>& ss) {
+  return cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.a[0])),
+                           smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages>());
+}
+template <class Cfg>
+__device__ inline auto smem_b(SharedStorage<Cfg>& ss) {
+  return cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.b[0])),
+                           smem_operand_layout<Cfg::kBMajor, Cfg::kBN, Cfg::kStages>());
+}
+
 template <Major M>
 constexpr cute::GMMA::Major gmma_major() {
   return M == Major::kK ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
@@ -206,6 +218,17 @@ struct EpiCtx {
     return static_cast<uint32_t>(wg == 0 ? NamedBarrier::kEpilogueWG0 : NamedBarrier::kEpilogueWG1);
   }
 };
+
+// The context of consumer thread `tid` (0..127) of warpgroup `wg`: its staging buffers.
+template <class Cfg>
+__device__ inline EpiCtx make_epi_ctx(SharedStorage<Cfg>& ss, int wg, int tid) {
+  EpiCtx ctx;
+  ctx.wg = wg;
+  ctx.tid = tid;
+  ctx.stage = ss.epi[wg];
+  ctx.stage_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(ctx.stage));
+  return ctx;
+}
 
 // Byte offset in the staging box pair of this thread's column pair in fragment block jj
 // (0..15) and row half v1: element (r, c) of two 64x64 bf16 boxes with the TMA 128B swizzle

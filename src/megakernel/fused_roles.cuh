@@ -359,19 +359,11 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   const int ctid = threadIdx.x - gemm::kWarpGroupThreads;
   auto mma = gemm::make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
-  auto sA = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.a[0])),
-                              gemm::smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages>());
-  auto sB = cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.b[0])),
-                              gemm::smem_operand_layout<Cfg::kBMajor, Cfg::kBN, Cfg::kStages>());
-  auto tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  auto tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  auto tCrA = thr.make_fragment_A(thr.partition_A(gemm::smem_a(ss)));
+  auto tCrB = thr.make_fragment_B(thr.partition_B(gemm::smem_b(ss)));
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
 
-  gemm::EpiCtx ctx;
-  ctx.wg = ctid / gemm::kWarpGroupThreads;
-  ctx.tid = ctid % gemm::kWarpGroupThreads;
-  ctx.stage = ss.epi[ctx.wg];
-  ctx.stage_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(ctx.stage));
+  const gemm::EpiCtx ctx = gemm::make_epi_ctx(ss, ctid / gemm::kWarpGroupThreads, ctid % gemm::kWarpGroupThreads);
 
   gemm::PipeState<Cfg::kStages> st;
   PendingTile pending;  // meaningful in thread 0 of the warpgroup only
