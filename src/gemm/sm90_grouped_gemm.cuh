@@ -61,7 +61,7 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
   const int ctid = threadIdx.x - kWarpGroupThreads;
   // NOTE: warp-uniform for ptxas (a threadIdx-derived branch around wgmma serialises it).
   const int wg = __shfl_sync(0xffffffffu, ctid / kWarpGroupThreads, 0);
-  auto mma = make_pingpong_mma<Cfg>();
+  auto mma = make_consumer_mma<Cfg, 1>();
   auto thr = mma.get_thread_slice(ctid % kWarpGroupThreads);
   auto tCrA = thr.make_fragment_A(thr.partition_A(smem_a(ss)));
   auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));

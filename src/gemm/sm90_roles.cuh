@@ -64,22 +64,15 @@ constexpr cute::GMMA::Major gmma_major() {
   return M == Major::kK ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
 }
 
-// Two 64xBNx16 wgmma atoms stacked along M: consumer warpgroup w owns tile rows [64w, 64w+64).
-template <class Cfg>
+// 64xBNx64 wgmma atoms over the consumer warpgroups: WarpGroups = 2 (cooperative) stacks two
+// along M, consumer warpgroup w owns tile rows [64w, 64w+64); WarpGroups = 1 (ping-pong): one
+// warpgroup covers the whole 128-row tile (the 64-row atom twice along M).
+template <class Cfg, int WarpGroups = 2>
 __device__ inline auto make_consumer_mma() {
   using T = cute::bfloat16_t;
   auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kBN>, cute::_64>,
                                        gmma_major<Cfg::kAMajor>(), gmma_major<Cfg::kBMajor>()>();
-  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<_2, _1, _1>>{});
-}
-
-// Ping-pong: one warpgroup covers the whole 128-row tile (the 64-row atom twice along M).
-template <class Cfg>
-__device__ inline auto make_pingpong_mma() {
-  using T = cute::bfloat16_t;
-  auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kBN>, cute::_64>,
-                                       gmma_major<Cfg::kAMajor>(), gmma_major<Cfg::kBMajor>()>();
-  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<_1, _1, _1>>{});
+  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<cute::Int<WarpGroups>, _1, _1>>{});
 }
 
 // Moves a pipeline state past `steps` stages without touching them (the other warpgroup's
