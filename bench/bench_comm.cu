@@ -478,7 +478,8 @@ Best best_of(const Shared& sh, Kind kind, int max_ctas, bool dedup, const std::s
   Best b;
   for (const Point& p : sh.points) {
     if (p.v.kind != kind || p.ctas > max_ctas || p.v.dedup != dedup) continue;
-    if ((p.v.token_major || p.v.min_bytes) != (only == "token_major" || only == "pull_warp_min")) continue;
+    // The token-major dispatch and its distinct-row copy only when asked for by name.
+    if (only.empty() && (p.v.token_major || p.v.min_bytes)) continue;
     if (in_place >= 0 && p.v.in_place != (in_place == 1)) continue;
     if (!only.empty() && p.v.name != only) continue;
     const double ms = p.worst();
