@@ -637,10 +637,11 @@ int main(int argc, char** argv) {
   const auto routing = megakernel::uniform_routing(shape, 2026);
   std::vector<std::vector<int64_t>> pair_rows(ep, std::vector<int64_t>(ep, 0));  // [src][dst]
   std::vector<std::vector<int64_t>> pair_tokens(ep, std::vector<int64_t>(ep, 0));  // distinct tokens [src][dst]
+  std::vector<char> to(ep);  // ranks token t of rank s goes to
   for (int s = 0; s < ep; ++s) {
     for (int32_t e : routing[s]) ++pair_rows[s][shape.owner_rank(e)];
     for (int64_t t = 0; t < shape.tokens; ++t) {
-      std::vector<char> to(ep, 0);
+      std::fill(to.begin(), to.end(), 0);
       for (int k = 0; k < shape.topk; ++k) to[shape.owner_rank(routing[s][t * shape.topk + k])] = 1;
       for (int d = 0; d < ep; ++d) pair_tokens[s][d] += to[d];
     }
