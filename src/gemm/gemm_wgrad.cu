@@ -11,6 +11,18 @@
 
 namespace mok::gemm {
 
+namespace {
+// One kernel per output mode and per "some problem continues an fp32 partial".
+template <bool Seeded>
+void launch_mode(WgradOut mode, const WgradParams& p, const Launch& l, cudaStream_t stream) {
+  switch (mode) {
+    case WgradOut::kPartialFp32: host::launch_kind<WgradKind<kWgradPartialFp32, 1, Seeded>>(p, l, stream); break;
+    case WgradOut::kWriteBf16: host::launch_kind<WgradKind<kWgradWriteBf16, 1, Seeded>>(p, l, stream); break;
+    case WgradOut::kAccumulateFp32: host::launch_kind<WgradKind<kWgradAccumulateFp32, 1, Seeded>>(p, l, stream); break;
+  }
+}
+}  // namespace
+
 void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   host::check_segments(a.seg);
   host::check_launch(launch);
@@ -67,16 +79,17 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   // wgrad runs without clusters (launch.cluster is ignored): its 2-CTA variant spilled
   // registers (docs/gemm.md) and its K loops are short, so B multicast has little to save.
   p.sched.cluster = 1;
-  switch (a.mode) {
-    case WgradOut::kPartialFp32: host::launch_kind<WgradKind<kWgradPartialFp32, 1>>(p, l, stream); break;
-    case WgradOut::kWriteBf16:
-      if (pingpong) {
-        host::launch_kind<WgradPingPongKind>(p, l, stream);
-      } else {
-        host::launch_kind<WgradKind<kWgradWriteBf16, 1>>(p, l, stream);
-      }
-      break;
-    case WgradOut::kAccumulateFp32: host::launch_kind<WgradKind<kWgradAccumulateFp32, 1>>(p, l, stream); break;
+  // Developer knob (A/B measurement): MOK_GEMM_WGRAD_SEEDED=1 runs the seeding kernel even
+  // when no problem has a partial (the only kernel before 2026-11-30; same bits).
+  const char* seed_env = std::getenv("MOK_GEMM_WGRAD_SEEDED");
+  bool seeded = seed_env != nullptr && std::strcmp(seed_env, "1") == 0;
+  for (int q = 0; q < a.num_problems; ++q) seeded = seeded || a.problems[q].partial_in != nullptr;
+  if (pingpong) {
+    host::launch_kind<WgradPingPongKind>(p, l, stream);
+  } else if (seeded) {
+    launch_mode<true>(a.mode, p, l, stream);
+  } else {
+    launch_mode<false>(a.mode, p, l, stream);
   }
 }
 

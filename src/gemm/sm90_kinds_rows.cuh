@@ -207,9 +207,11 @@ struct DgradHiddenParams {
   CUtensorMap dg, du;  // [rows, I], box 64 x 64
   const bf16* g;       // [rows, I]
   const bf16* u;
+  CUtensorMap g_pf, u_pf;  // g, u [rows, I], box 64 x 128: L2 prefetch of a tile's epilogue inputs
   RowScheduler sched;  // n_tiles = ceil(I / 256)
   int k_steps;         // H / 64
   int inter;
+  int prefetch_at;     // producer K step that prefetches the tile's g, u into L2 (-1: off)
   ErrorSink err;
 };
 
@@ -227,6 +229,21 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(&p.w_down, bar, b + box * 8192, 256 * t.n_tile + 64 * box, 64 * k, t.expert, mask);
     });
+    if (k == p.prefetch_at) prefetch_epilogue(p, t);
+  }
+  // The epilogue reads the tile's saved g and u (written by the forward long before, so in
+  // HBM) with dependent rounds of register loads. A few K steps before the K loop ends the
+  // producer asks TMA to bring both 128 x 256 blocks into L2, so those rounds hit L2.
+  __device__ static void prefetch_epilogue(const Params& p, const RowTile& t) {
+    if (t.real_rows == 0) return;
+#pragma unroll
+    for (int box = 0; box < 4; ++box) {
+      const int col = 256 * t.n_tile + 64 * box;
+      if (col < p.inter) {
+        cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&p.g_pf, col, t.row0);
+        cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&p.u_pf, col, t.row0);
+      }
+    }
   }
 
   // Columns [128*Half, 128*Half + 128) of the tile: acc(i) <- dg pair, acc(i+1) <- du pair.

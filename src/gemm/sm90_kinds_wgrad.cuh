@@ -29,8 +29,11 @@ WgradProblemParams problems[kMaxWgradProblems];
 };
 
 // The output mode is a template parameter: a runtime branch around the accumulator reads
-// makes ptxas serialise every wgmma (C7518).
-template <int Mode, int C>
+// makes ptxas serialise every wgmma (C7518). So is whether any problem of the launch carries
+// an fp32 partial to continue: without one (the common case) the seed is plain zeros instead
+// of 64 predicated-off loads with their address arithmetic per thread and tile, which at
+// 8 K steps per tile (DeepSeek-V3 sizes) sit on the critical path before every K loop.
+template <int Mode, int C, bool Seeded = true>
 struct WgradKind {
   using Cfg = TileConfig<256, kPipeStages, Major::kMN, Major::kMN, C>;
 
@@ -90,8 +93,13 @@ struct WgradKind {
   }
   template <class Acc>
   __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    const Problem& pr = problem(p, t);
-    seed_from_partial(pr, acc, [&](int i) { return coord(pr, t, ctx, i); });
+    if constexpr (Seeded) {
+      const Problem& pr = problem(p, t);
+      seed_from_partial(pr, acc, [&](int i) { return coord(pr, t, ctx, i); });
+    } else {
+#pragma unroll
+      for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
+    }
   }
 
   template <class Acc>

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "gemm/gemm_host.hpp"
@@ -60,6 +61,10 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   const char* g = std::getenv("MOK_GEMM_GROUP_M");
   s.group_m = g != nullptr && std::atoi(g) > 0 ? std::atoi(g) : group_m;
   s.cluster = 1;  // set by the launcher
+  // Developer knob (A/B measurement): MOK_GEMM_RASTER=global restores groups of global row
+  // tiles that may span experts (the raster before 2026-11-30, docs/gemm.md).
+  const char* r = std::getenv("MOK_GEMM_RASTER");
+  s.expert_groups = !(r != nullptr && std::strcmp(r, "global") == 0);
   return s;
 }
 

@@ -7,23 +7,12 @@
 
 #include <cstdint>
 
+#include "gemm/raster.hpp"
 #include "gemm/sm90_pipeline.cuh"
 
 namespace mok::gemm {
 
-inline constexpr int kRowTileRows = 128;  // == mok::kRowTile: segment padding and tile M
 inline constexpr int kKStepRows = 64;     // wgrad K step (rows) == TileConfig::kBK
-
-// Local index l of a tile inside a block of m_tiles x n_tiles tiles -> (m, n), visiting
-// groups of `group` row tiles and, inside a group, row tiles fastest: the CTAs working at
-// the same time share their B (weight) column block and a small set of A row tiles in L2.
-__device__ inline void raster_group(int l, int m_tiles, int n_tiles, int group, int& m, int& n) {
-  const int g = l / (group * n_tiles);
-  const int rows_in_group = min(group, m_tiles - g * group);
-  const int r = l - g * group * n_tiles;
-  n = r / rows_in_group;
-  m = g * group + r % rows_in_group;
-}
 
 // ---- Row-grouped GEMMs (forward, dgrad): M = the rows of each segment. ----
 // The list is over units of `cluster` consecutive global row tiles x column blocks; CTA
@@ -46,25 +35,23 @@ struct RowScheduler {
   int n_tiles;  // output column blocks per row tile
   int group_m;  // row tiles per raster group
   int cluster;  // CTAs per cluster (1 or 2)
+  bool expert_groups;  // cluster 1: raster groups aligned to experts (raster_expert_groups)
 
   __device__ int first_row_tile() const { return __ldg(offsets) / kRowTileRows; }
   __device__ int row_tiles() const { return __ldg(offsets + experts) / kRowTileRows - first_row_tile(); }
   __device__ int num_tiles() const { return (row_tiles() + cluster - 1) / cluster * n_tiles; }
 
-  // Last expert whose segment starts at or before global row tile rt (empty ones skipped).
-  __device__ int expert_of(int rt) const {
-    int lo = 0, hi = experts;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (__ldg(offsets + mid) / kRowTileRows <= rt) lo = mid; else hi = mid;
-    }
-    return lo;
-  }
+  __device__ int expert_of(int rt) const { return expert_of_row_tile(offsets, experts, rt); }
 
   __device__ RowTile tile(int t, int rank) const {
     const int first = first_row_tile(), total = row_tiles();
     int unit, n;
-    raster_group(t, (total + cluster - 1) / cluster, n_tiles, max(group_m / cluster, 1), unit, n);
+    if (cluster == 1 && expert_groups) {
+      raster_expert_groups(t, first, total, n_tiles, group_m, offsets, experts, unit, n);
+      unit -= first;
+    } else {
+      raster_group(t, (total + cluster - 1) / cluster, n_tiles, max(group_m / cluster, 1), unit, n);
+    }
     RowTile tile{};
     int experts_seen[2] = {-1, -1};
     int real_sum = 0;

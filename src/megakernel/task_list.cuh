@@ -4,8 +4,8 @@
 // never waits on a GEMM). With every CTA co-resident, the unfinished task of smallest index
 // can always run, so the kernel cannot deadlock.
 //
-// Order (each block rasterised like the standalone GEMMs: groups of kGroupM row tiles, row
-// tiles fastest, so CTAs running at the same time share a weight column block):
+// Order (each block rasterised like the standalone GEMMs: groups of at most kGroupM row tiles
+// of one expert, row tiles fastest, so CTAs running at the same time share a weight column block):
 //   S1   shared expert GEMM1+SwiGLU, every row tile of the rank's T tokens   (no wait)
 //   S2   shared expert GEMM2                                                  (waits: S1 row tile)
 //   G1(0)                                                                     (waits: ready[0])
@@ -45,13 +45,18 @@ struct TaskList {
   int n2 = 0;                   // ceil(H / 256): column blocks of every GEMM2
   int tiles_per_minibatch = 1;  // Config::effective_minibatch / 128
   int group_m = gemm::kGroupM;
+  bool expert_groups = true;  // routed raster groups never span two experts (gemm::raster_expert_groups)
   // Per pass, from the schedule (all CTAs derive the same values).
   int routed_row_tiles = 0;
   int minibatches = 0;
+  const int32_t* offsets = nullptr;  // the GEMM segment table (device)
+  int experts = 0;
 
   // Sets the per-pass counts from the GEMM segment table (offsets[experts] = padded rows;
   // 0 when the schedule was poisoned).
-  __device__ void set_routed_rows(const int32_t* offsets, int experts) {
+  __device__ void set_routed_rows(const int32_t* seg_offsets, int seg_experts) {
+    offsets = seg_offsets;
+    experts = seg_experts;
     routed_row_tiles = __ldg(offsets + experts) / gemm::kRowTileRows;
     minibatches = (routed_row_tiles + tiles_per_minibatch - 1) / tiles_per_minibatch;
   }
@@ -98,12 +103,16 @@ struct TaskList {
     gemm::raster_group(l, row_tiles, n_tiles, group_m, r, n);
     return Task{kind, first_row_tile + r, n, m};
   }
-  __device__ Task gemm1(int m, int l) const {
-    return make(TaskKind::kGemm1, m * tiles_per_minibatch, rows_of(m), n1, m, l);
+  // Routed tiles of minibatch m: groups aligned to experts (each weight block streams once per
+  // group), or groups of global row tiles when expert_groups is off (A/B knob).
+  __device__ Task routed(TaskKind kind, int m, int n_tiles, int l) const {
+    if (!expert_groups) return make(kind, m * tiles_per_minibatch, rows_of(m), n_tiles, m, l);
+    int rt, n;
+    gemm::raster_expert_groups(l, m * tiles_per_minibatch, rows_of(m), n_tiles, group_m, offsets, experts, rt, n);
+    return Task{kind, rt, n, m};
   }
-  __device__ Task gemm2(int m, int l) const {
-    return make(TaskKind::kGemm2, m * tiles_per_minibatch, rows_of(m), n2, m, l);
-  }
+  __device__ Task gemm1(int m, int l) const { return routed(TaskKind::kGemm1, m, n1, l); }
+  __device__ Task gemm2(int m, int l) const { return routed(TaskKind::kGemm2, m, n2, l); }
 };
 
 }  // namespace mok::megakernel
