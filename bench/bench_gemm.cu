@@ -11,6 +11,11 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#ifdef MOK_GEMM_TRACE
+#include "gemm/gemm_host.hpp"
+#include "gemm/sm90_pipeline.cuh"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -205,6 +210,52 @@ struct Bench {
 };
 
 // Share of the row tiles' rows that are padding (tile FLOPs spent on zeros before the skip).
+#ifdef MOK_GEMM_TRACE
+// Developer build (-DMOK_GEMM_TRACE): where a tile's time goes, from the per-tile SM clocks the
+// first CTAs record (sm90_pipeline.cuh). Averages over CTAs 0..kTraceCtas-1, all tiles but the
+// first and last of each CTA.
+void trace_begin() {
+  using namespace mok::gemm;
+  constexpr size_t n = size_t(kTraceCtas) * kTraceTiles * kTraceSlots;
+  if (host::trace_buffer() == nullptr) host::trace_buffer() = dalloc<unsigned long long>(n);
+  CK(cudaMemset(host::trace_buffer(), 0, n * 8));
+}
+void trace_report(const char* name) {
+  using namespace mok::gemm;
+  std::vector<unsigned long long> t(size_t(kTraceCtas) * kTraceTiles * kTraceSlots);
+  CK(cudaMemcpy(t.data(), host::trace_buffer(), t.size() * 8, cudaMemcpyDeviceToHost));
+  double sum[8] = {}, total = 0, k = 0;
+  int count = 0, tiles = 0;
+  for (int c = 0; c < kTraceCtas; ++c) {
+    auto at = [&](int i, int slot) { return double(t[(size_t(c) * kTraceTiles + i) * kTraceSlots + slot]); };
+    int n = 0;
+    while (n < kTraceTiles && at(n, 0) != 0) ++n;
+    tiles += n;
+    for (int i = 1; i + 1 < n; ++i) {
+      sum[0] += at(i, 1) - at(i, 0);      // seed
+      sum[1] += at(i, 2) - at(i, 1);      // wait for the first stage
+      sum[2] += at(i, 3) - at(i, 2);      // rest of the K loop
+      sum[3] += at(i, 4) - at(i, 3);      // epilogue
+      sum[4] += at(i + 1, 0) - at(i, 4);  // to the next tile
+      sum[5] += at(i, 6) - at(i, 5);      // producer: tile start to last stage issued
+      sum[6] += at(i, 2) - at(i, 6);      // first stage acquired minus producer done (negative: producer ahead)
+      total += at(i + 1, 0) - at(i, 0);
+      k += at(i, 7);
+      ++count;
+    }
+  }
+  if (count == 0) { std::printf("trace %-16s no tiles recorded\n", name); return; }
+  const double tile = total / count;
+  std::printf("trace %-16s %5.1f tiles/CTA, %4.1f K steps: cycles/tile %7.0f = seed %5.0f + first stage %5.0f + "
+              "K loop %7.0f + epilogue %6.0f + next %5.0f (ideal K loop 1024/step: %7.0f); producer issue span %7.0f\n",
+              name, double(tiles) / kTraceCtas, k / count, tile, sum[0] / count, sum[1] / count, sum[2] / count,
+              sum[3] / count, sum[4] / count, 1024.0 * k / count, sum[5] / count);
+}
+#else
+void trace_begin() {}
+void trace_report(const char*) {}
+#endif
+
 double padding_fraction(const ModelShape& s, SegMode mode) {
   int64_t real = 0, padded = 0;
   for (int r : segment_rows(s, mode)) {
@@ -261,7 +312,9 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
   // GEMM 1 + SwiGLU: 2 * rows * 2I * H.
   {
     const double f = 2.0 * rr * 2 * I * H;
+    trace_begin();
     const float ms = median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L, stream); }, reps, stream);
+    trace_report("gemm1_swiglu");
     const float d = dense(M, 2 * I, H);
     res.push_back({"gemm1_swiglu", f, ms, d, b.grouped_loop(2 * I, H, x, wgu, cbuf)});
     const auto L2 = b.launch(2);  // 2-CTA clusters with B multicast, for comparison
@@ -283,7 +336,9 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
   // GEMM 2: 2 * rows * H * I.
   {
     const double f = 2.0 * rr * H * I;
+    trace_begin();
     const float ms = median_ms([&] { gemm2({b.seg, H, I, h, wd, out}, L, stream); }, reps, stream);
+    trace_report("gemm2");
     const float d = dense(M, H, I);
     res.push_back({"gemm2", f, ms, d, b.grouped_loop(H, I, h, wd, cbuf)});
     res.push_back({"gemm2_cluster2", f,
@@ -292,8 +347,12 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
   // dgrad: dh + SwiGLU backward (2 rows H I), dX (2 rows 2I H).
   {
     const double f1 = 2.0 * rr * H * I, f2 = 2.0 * rr * 2 * I * H;
+    trace_begin();
     const float ms1 = median_ms([&] { dgrad_hidden_swiglu({b.seg, H, I, dys, wd, g, u, dg, du}, L, stream); }, reps, stream);
+    trace_report("dgrad_dh_swiglu");
+    trace_begin();
     const float ms2 = median_ms([&] { dgrad_input({b.seg, H, I, dg, du, wg, wu, dx}, L, stream); }, reps, stream);
+    trace_report("dgrad_dx");
     const float d1 = dense(M, I, H), d2 = dense(M, H, 2 * I);
     res.push_back({"dgrad_dh_swiglu", f1, ms1, d1, 0});
     res.push_back({"dgrad_dx", f2, ms2, d2, 0});
@@ -312,7 +371,9 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
     a.problems[1] = {dg, x, I, H, nullptr, dw_g};
     a.problems[2] = {du, x, I, H, nullptr, dw_u};
     a.mode = WgradOut::kWriteBf16;
+    trace_begin();
     const float ms = median_ms([&] { wgrad(a, L, stream); }, reps, stream);
+    trace_report("wgrad");
     const float d = dense(H, I, M) + 2 * dense(I, H, M);
     res.push_back({"wgrad", f, ms, d, 0});
     res.push_back({"wgrad_cluster2", f, median_ms([&] { wgrad(a, b.launch(2), stream); }, reps, stream), d, 0});

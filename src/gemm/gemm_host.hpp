@@ -24,6 +24,15 @@ void check_pointer(const char* argument, const void* ptr);  // non-null and 16-b
 void check_segments(const Segments& seg);
 void check_launch(const Launch& launch);
 
+#ifdef MOK_GEMM_TRACE
+// Developer build: device buffer [kTraceCtas][kTraceTiles][kTraceSlots] of u64 that the next
+// launches fill with per-tile phase clocks (sm90_pipeline.cuh), or nullptr.
+inline unsigned long long*& trace_buffer() {
+  static unsigned long long* buffer = nullptr;
+  return buffer;
+}
+#endif
+
 int resolve_grid(const Launch& launch);  // launch.grid or the SM count of the current device
 uint64_t timeout_ns(const Launch& launch);
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)

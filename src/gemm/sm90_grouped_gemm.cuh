@@ -30,11 +30,21 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
 
   PipeState<Cfg::kStages> st;
   const int tiles = sched.num_tiles();
-  for (int t = cluster_id; t < tiles; t += clusters) {
+  // Trace marks (developer build only) come from thread 0 of consumer warpgroup 0.
+  const bool marks = ctx.wg == 0 && ctx.tid == 0;
+  (void)marks;
+  for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
+    const int mark_tile = marks ? local : -1;
+    (void)mark_tile;
+    MOK_GEMM_MARK(p.err, mark_tile, 0, clock64());
     const auto tile = Kind::tile(p, sched, t, rank);
     Kind::seed(p, tile, ctx, acc);
-    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid)) break;
+    MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
+    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile))
+      break;
+    MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
+    MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();
 }

@@ -68,7 +68,13 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   return s;
 }
 
-inline ErrorSink error_sink(const Launch& launch) { return {launch.error_flag, timeout_ns(launch)}; }
+inline ErrorSink error_sink(const Launch& launch) {
+  ErrorSink sink{launch.error_flag, timeout_ns(launch)};
+#ifdef MOK_GEMM_TRACE
+  sink.trace = trace_buffer();
+#endif
+  return sink;
+}
 
 // Checks every row-grouped GEMM (forward, dgrad) makes before it encodes its operands.
 inline void check_row_problem(const Segments& seg, const Launch& launch, int64_t hidden, int64_t intermediate) {

@@ -19,7 +19,28 @@ enum ErrorBit : uint32_t {
 struct ErrorSink {
   uint32_t* flag;       // device word or nullptr (then a timeout traps)
   uint64_t timeout_ns;  // longest single wait
+#ifdef MOK_GEMM_TRACE
+  unsigned long long* trace = nullptr;  // per-tile phase clocks (developer build, see below)
+#endif
 };
+
+// Developer build -DMOK_GEMM_TRACE: the first kTraceCtas CTAs record SM clocks at the phase
+// boundaries of each of their tiles (consumer warpgroup 0 and the producer), so a benchmark
+// can tell where a tile's time goes. Slots per tile: 0 consumer tile start, 1 seed done,
+// 2 first stage acquired, 3 K loop done, 4 epilogue done, 5 producer tile start, 6 producer
+// issued the last stage, 7 K steps. Without the macro every mark compiles to nothing.
+inline constexpr int kTraceCtas = 8, kTraceTiles = 4096, kTraceSlots = 8;
+#ifdef MOK_GEMM_TRACE
+__device__ inline void trace_mark(const ErrorSink& e, int local_tile, int slot, long long v) {
+  if (e.trace != nullptr && blockIdx.x < kTraceCtas && local_tile >= 0 && local_tile < kTraceTiles) {
+    e.trace[(static_cast<int>(blockIdx.x) * kTraceTiles + local_tile) * kTraceSlots + slot] =
+        static_cast<unsigned long long>(v);
+  }
+}
+#define MOK_GEMM_MARK(err, tile, slot, value) ::mok::gemm::trace_mark((err), (tile), (slot), (value))
+#else
+#define MOK_GEMM_MARK(err, tile, slot, value) ((void)0)
+#endif
 
 // NOTE: no printf here: any function call in the kernel makes ptxas serialise wgmma.
 __device__ inline void report_error(const ErrorSink& sink, uint32_t bit, const char* /*what*/) {

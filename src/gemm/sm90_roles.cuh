@@ -94,10 +94,13 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
   PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released: the first round does not wait
   const int tiles = sched.num_tiles();
-  for (int t = cluster_id; t < tiles; t += clusters) {
+  for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
+    MOK_GEMM_MARK(p.err, local, 5, clock64());
     const auto tile = Kind::tile(p, sched, t, rank);
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
+    MOK_GEMM_MARK(p.err, local, 7, k_steps);
+    (void)local;
     for (int k = 0; k < k_steps; ++k) {
       // With clusters the stage is free only once the consumers of every CTA released it
       // (our multicast writes into the peers' copies of the stage).
@@ -107,6 +110,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
       st.advance();
     }
+    MOK_GEMM_MARK(p.err, local, 6, clock64());
   }
 }
 
@@ -171,11 +175,13 @@ constexpr int empty_barrier_arrivals() {
 template <class Cfg, class Mma, class FragA, class FragB, class Acc>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
-                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false) {
+                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1) {
   using cute::_;
   int prev = -1;
+  (void)trace_tile;
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
+    if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
     if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cute::warpgroup_fence_operand(acc);
     cute::warpgroup_arrive();
