@@ -33,18 +33,26 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   // Trace marks (developer build only) come from thread 0 of consumer warpgroup 0.
   const bool marks = ctx.wg == 0 && ctx.tid == 0;
   (void)marks;
+  // The next tile's coordinates (a few dependent loads of the segment table, ~1-3k cycles)
+  // are computed while the current tile's first wgmma batch runs.
+  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank);
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     const int mark_tile = marks ? local : -1;
     (void)mark_tile;
     MOK_GEMM_MARK(p.err, mark_tile, 0, clock64());
-    const auto tile = Kind::tile(p, sched, t, rank);
     Kind::seed(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
-    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile))
+    auto next = tile;
+    auto compute_next = [&] {
+      if (t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);
+    };
+    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile,
+                           compute_next))
       break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());
+    tile = next;
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();
 }

@@ -247,22 +247,32 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   }
 
   // Columns [128*Half, 128*Half + 128) of the tile: acc(i) <- dg pair, acc(i+1) <- du pair.
-  // g, u are loaded in chunks of 4 pairs to keep the register peak low.
+  // g, u are loaded in chunks of 8 pairs (16 loads in flight per thread; 4 pairs left the
+  // epilogue waiting on 16 dependent rounds of memory latency, docs/gemm.md trace).
   template <int Half, class Acc>
   __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    constexpr int kChunk = 4;  // pairs: 2 column blocks x 2 rows
+    constexpr int kChunk = 8;  // pairs: 4 column blocks x 2 rows
+    // One base address per row of this thread; a column block is then a constant offset
+    // (16 bytes per block), so the loads carry immediate offsets instead of address registers.
+    const int col_base = 256 * t.n_tile + ctx.col(16 * Half);
+    const unsigned int* g_row[2];
+    const unsigned int* u_row[2];
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int64_t off = (t.row0 + ctx.row_in_tile(v1)) * int64_t{p.inter} + col_base;
+      g_row[v1] = reinterpret_cast<const unsigned int*>(p.g + off);
+      u_row[v1] = reinterpret_cast<const unsigned int*>(p.u + off);
+    }
 #pragma unroll
     for (int q0 = 0; q0 < 32; q0 += kChunk) {
       asm volatile("" ::: "memory");  // keep the chunk's loads from being hoisted above the previous chunk
       uint32_t g2[kChunk], u2[kChunk];
 #pragma unroll
       for (int q = 0; q < kChunk; ++q) {
-        const int j = 16 * Half + (q0 + q) / 2, v1 = q % 2;
-        const int col = 256 * t.n_tile + ctx.col(j);
-        const int64_t off = (t.row0 + ctx.row_in_tile(v1)) * int64_t{p.inter} + col;
-        const bool in = col < p.inter;
-        g2[q] = in ? __ldg(reinterpret_cast<const unsigned int*>(p.g + off)) : 0u;
-        u2[q] = in ? __ldg(reinterpret_cast<const unsigned int*>(p.u + off)) : 0u;
+        const int jj = (q0 + q) / 2, v1 = q % 2;  // column block within the half
+        const bool in = 256 * t.n_tile + 128 * Half + 8 * jj < p.inter;  // whole 8-column blocks (I % 64 == 0)
+        g2[q] = in ? __ldg(g_row[v1] + 4 * jj) : 0u;
+        u2[q] = in ? __ldg(u_row[v1] + 4 * jj) : 0u;
       }
 #pragma unroll
       for (int q = 0; q < kChunk; ++q) {

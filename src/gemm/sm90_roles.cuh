@@ -170,15 +170,24 @@ constexpr int empty_barrier_arrivals() {
   return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
 }
 
+struct NoHook {
+  __device__ void operator()() const {}
+};
+
 // proxy_fence: the stage's A tile was written by cp.async (generic proxy, a gathering
 // producer), which wgmma (async proxy) reads only after a proxy fence.
-template <class Cfg, class Mma, class FragA, class FragB, class Acc>
+// on_first_batch runs once per call, right after the first wgmma batch was issued (or at
+// once when there is no K step): work placed there (the next tile's coordinates) overlaps the
+// tensor cores instead of delaying the next tile's first wgmma. It must not touch `acc`.
+template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
-                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1) {
+                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1,
+                             Hook on_first_batch = {}) {
   using cute::_;
   int prev = -1;
   (void)trace_tile;
+  if (k_steps <= 0) on_first_batch();
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
@@ -187,6 +196,7 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
     cute::warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);
     cute::warpgroup_commit_batch();
+    if (k == 0) on_first_batch();
     cute::warpgroup_wait<1>();
     cute::warpgroup_fence_operand(acc);
     if (prev >= 0) release_stage(ss, prev, tid_in_wg);

@@ -8,7 +8,21 @@
 
 namespace mok::gemm {
 
-__host__ __device__ inline float sigmoid_f32(float g) { return 1.0f / (1.0f + expf(-g)); }
+// On the GPU exp and the reciprocal are the SFU's approximations (ex2.approx.ftz after a
+// multiply by log2(e), rcp.approx.ftz): relative error about 2^-21, far below the bf16
+// rounding (2^-9) that every use of sigmoid ends in, and ~10x fewer instructions than the
+// IEEE expf and division, which dominated the GEMM 1 and dh epilogues (docs/gemm.md). The
+// host (CPU reference) keeps libm; numerics.md lists the difference.
+__host__ __device__ inline float sigmoid_f32(float g) {
+#if defined(__CUDA_ARCH__)
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-g * 1.44269504088896341f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
+#else
+  return 1.0f / (1.0f + expf(-g));
+#endif
+}
 
 // h = bf16(silu(g) * u), g and u already rounded to bf16 (numerics.md forward step 2).
 __device__ inline float swiglu_fwd(float g, float u) { return (g * sigmoid_f32(g)) * u; }

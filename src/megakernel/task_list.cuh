@@ -4,8 +4,8 @@
 // never waits on a GEMM). With every CTA co-resident, the unfinished task of smallest index
 // can always run, so the kernel cannot deadlock.
 //
-// Order (each block rasterised like the standalone GEMMs: groups of at most kGroupM row tiles
-// of one expert, row tiles fastest, so CTAs running at the same time share a weight column block):
+// Order (each block rasterised like the standalone GEMMs: groups of kGroupM row tiles, row
+// tiles fastest, so CTAs running at the same time share a weight column block):
 //   S1   shared expert GEMM1+SwiGLU, every row tile of the rank's T tokens   (no wait)
 //   S2   shared expert GEMM2                                                  (waits: S1 row tile)
 //   G1(0)                                                                     (waits: ready[0])
@@ -45,7 +45,7 @@ struct TaskList {
   int n2 = 0;                   // ceil(H / 256): column blocks of every GEMM2
   int tiles_per_minibatch = 1;  // Config::effective_minibatch / 128
   int group_m = gemm::kGroupM;
-  bool expert_groups = true;  // routed raster groups never span two experts (gemm::raster_expert_groups)
+  bool expert_groups = false;  // routed raster groups never span two experts (gemm::raster_expert_groups)
   // Per pass, from the schedule (all CTAs derive the same values).
   int routed_row_tiles = 0;
   int minibatches = 0;
@@ -103,8 +103,8 @@ struct TaskList {
     gemm::raster_group(l, row_tiles, n_tiles, group_m, r, n);
     return Task{kind, first_row_tile + r, n, m};
   }
-  // Routed tiles of minibatch m: groups aligned to experts (each weight block streams once per
-  // group), or groups of global row tiles when expert_groups is off (A/B knob).
+  // Routed tiles of minibatch m: groups of global row tiles, or with expert_groups (A/B knob)
+  // groups aligned to experts.
   __device__ Task routed(TaskKind kind, int m, int n_tiles, int l) const {
     if (!expert_groups) return make(kind, m * tiles_per_minibatch, rows_of(m), n_tiles, m, l);
     int rt, n;
