@@ -39,7 +39,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   // modes always, the cooperative 128 x 256 kernel runs.
   const char* pp_env = std::getenv("MOK_GEMM_WGRAD_PINGPONG");
   const bool pingpong = a.mode == WgradOut::kWriteBf16 && pp_env != nullptr && std::strcmp(pp_env, "1") == 0;
-  const int tile_n = pingpong ? WgradPingPongKind::kTileN : 256;
+  const int tile_n = pingpong ? WgradPingPongKind<false>::kTileN : 256;
   WgradParams p{};
   p.sched.offsets = a.seg.offsets;
   p.sched.rows = a.seg.rows;
@@ -85,7 +85,8 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   bool seeded = seed_env != nullptr && std::strcmp(seed_env, "1") == 0;
   for (int q = 0; q < a.num_problems; ++q) seeded = seeded || a.problems[q].partial_in != nullptr;
   if (pingpong) {
-    host::launch_kind<WgradPingPongKind>(p, l, stream);
+    if (seeded) host::launch_kind<WgradPingPongKind<true>>(p, l, stream);
+    else host::launch_kind<WgradPingPongKind<false>>(p, l, stream);
   } else if (seeded) {
     launch_mode<true>(a.mode, p, l, stream);
   } else {

@@ -34,7 +34,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   const bool marks = ctx.wg == 0 && ctx.tid == 0;
   (void)marks;
   // The next tile's coordinates (a few dependent loads of the segment table, ~1-3k cycles)
-  // are computed while the current tile's first wgmma batch runs.
+  // are computed while the current tile's first wgmma batches run.
   auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank);
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     const int mark_tile = marks ? local : -1;

@@ -174,8 +174,13 @@ struct WgradKind {
 // steps) the cooperative kernel's tensor pipe idled 44 % of the time (docs/gemm.md, ncu).
 // The operands per K step are 32 KiB for 2.1 MFLOP (the cooperative tile: 48 KiB for 4.2):
 // affordable here, where L2 ran at 43 %. Same K order per element: the same bits.
-struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1> {
-  using Base = WgradKind<kWgradWriteBf16, 1>;
+template <bool Seeded>
+struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1, Seeded> {
+  using Base = WgradKind<kWgradWriteBf16, 1, Seeded>;
+  using typename Base::Coord;
+  using typename Base::Params;
+  using typename Base::Problem;
+  using Base::problem;
   using Cfg = TileConfig<128, 6, Major::kMN, Major::kMN, 1, true>;
   static constexpr int kTileN = 128;
 
@@ -201,8 +206,13 @@ struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1> {
 
   template <class Acc>
   __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    const Problem& pr = problem(p, t);
-    Base::seed_from_partial(pr, acc, [&](int v) { return coord(pr, t, ctx, v); });
+    if constexpr (Seeded) {
+      const Problem& pr = problem(p, t);
+      Base::seed_from_partial(pr, acc, [&](int v) { return coord(pr, t, ctx, v); });
+    } else {
+#pragma unroll
+      for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
+    }
   }
 
   template <class Acc>

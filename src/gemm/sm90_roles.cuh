@@ -176,18 +176,21 @@ struct NoHook {
 
 // proxy_fence: the stage's A tile was written by cp.async (generic proxy, a gathering
 // producer), which wgmma (async proxy) reads only after a proxy fence.
-// on_first_batch runs once per call, right after the first wgmma batch was issued (or at
-// once when there is no K step): work placed there (the next tile's coordinates) overlaps the
-// tensor cores instead of delaying the next tile's first wgmma. It must not touch `acc`.
+// during_k_loop runs once per call, right after the second wgmma batch was issued (the first
+// with one K step; at once with none): two batches (~2k cycles of tensor work) are then in
+// flight, so work placed there (the next tile's coordinates, ~1-3k cycles) overlaps the
+// tensor cores instead of delaying the next tile's first wgmma (after the first batch only
+// half of it was covered: docs/gemm.md trace). It must not touch `acc`.
 template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                              const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1,
-                             Hook on_first_batch = {}) {
+                             Hook during_k_loop = {}) {
   using cute::_;
   int prev = -1;
   (void)trace_tile;
-  if (k_steps <= 0) on_first_batch();
+  const int hook_step = k_steps > 1 ? 1 : 0;
+  if (k_steps <= 0) during_k_loop();
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
@@ -196,7 +199,7 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
     cute::warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);
     cute::warpgroup_commit_batch();
-    if (k == 0) on_first_batch();
+    if (k == hook_step) during_k_loop();
     cute::warpgroup_wait<1>();
     cute::warpgroup_fence_operand(acc);
     if (prev >= 0) release_stage(ss, prev, tid_in_wg);
