@@ -368,23 +368,9 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   gemm::PipeState<Cfg::kStages> st;
   PendingTile pending;  // meaningful in thread 0 of the warpgroup only
   const int n = list.size();
-  // The next task and its tile (task-list arithmetic and segment-table loads) are computed
-  // while the current tile's first wgmma batches run (gemm::mma_mainloop's hook).
-  Task t{};
-  gemm::RowTile tile{};
-  if (cta < n) {
-    t = list.at(cta);
-    tile = tile_of(p, t);
-  }
   for (int i = cta; i < n; i += ctas) {
-    Task next_t = t;
-    gemm::RowTile next_tile = tile;
-    auto compute_next = [&] {
-      if (i + ctas < n) {
-        next_t = list.at(i + ctas);
-        next_tile = tile_of(p, next_t);
-      }
-    };
+    const Task t = list.at(i);
+    const gemm::RowTile tile = tile_of(p, t);
     const bool g1 = is_gemm1(t.kind);
     const gemm::Gemm1SwigluParams& p1 = gemm1_params(p, t.kind);
     const gemm::Gemm2Params& p2 = gemm2_params(p, t.kind);
@@ -394,15 +380,12 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       pending.flush();  // about to block on the producer: publish first
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
-    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1, compute_next))
-      break;
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
       if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
       else pending.rotate<kGemm2StoreGroups>(done_counter(p, t));
     }
-    t = next_t;
-    tile = next_tile;
   }
   if (ctx.tid == 0) {
     gemm::tma_store_wait_all_complete();
