@@ -43,16 +43,74 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     Kind::seed(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
-    auto compute_next = [&] {
-      if (t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);
+    const int k_steps = Kind::k_steps(p, tile);
+    // After the second batch: two batches (~2k cycles) cover the ~1-3k cycles of this.
+    const int next_at = hook_slot(1, k_steps);
+    auto compute_next = [&](int k) {
+      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);
     };
-    if (!mma_mainloop<Cfg>(ss, st, Kind::k_steps(p, tile), mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile,
-                           compute_next))
+    if (!mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, compute_next))
       break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());
     tile = next;
+  }
+  if (ctx.tid == 0) tma_store_wait_all_complete();
+}
+
+// Consumers of a kind with a deferred epilogue (Kind::kDeferredEpilogue): after a tile's K
+// loop its result is only rounded into registers (Kind::pack); the stores (staging, barriers,
+// TMA) run inside the next tile's K loop, after its second wgmma batch, where they overlap the
+// tensor cores. The last tile is stored after the loop.
+template <class Kind, class Cfg, class Scheduler>
+__device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
+                                            const Scheduler& sched, int cluster_id, int clusters, int rank) {
+  const int ctid = threadIdx.x - kWarpGroupThreads;
+  auto mma = make_consumer_mma<Cfg>();
+  auto thr = mma.get_thread_slice(ctid);
+  auto tCrA = thr.make_fragment_A(thr.partition_A(smem_a(ss)));
+  auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
+  auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
+  const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
+
+  PipeState<Cfg::kStages> st;
+  const int tiles = sched.num_tiles();
+  const bool marks = ctx.wg == 0 && ctx.tid == 0;
+  (void)marks;
+  typename Kind::Packed packed;
+  typename Kind::Pending pending{};
+  bool have_pending = false;
+  bool ok = true;
+  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank);
+  for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
+    const int mark_tile = marks ? local : -1;
+    (void)mark_tile;
+    MOK_GEMM_MARK(p.err, mark_tile, 0, clock64());
+    Kind::seed(p, tile, ctx, acc);
+    MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
+    auto next = tile;
+    const int k_steps = Kind::k_steps(p, tile);
+    // The previous tile's two store rounds after batches 1 and 3, the next tile's coordinates
+    // after batch 2: each piece (~1k cycles) is covered by the batches in flight.
+    const int round0_at = hook_slot(1, k_steps), next_at = hook_slot(2, k_steps), round1_at = hook_slot(3, k_steps);
+    auto during_k_loop = [&](int k) {
+      if (have_pending && k == round0_at) Kind::template store_packed_half<0>(p, pending, ctx, packed);
+      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);
+      if (have_pending && k == round1_at) Kind::template store_packed_half<1>(p, pending, ctx, packed);
+    };
+    ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
+    if (!ok) break;
+    MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
+    Kind::pack(acc, packed);
+    pending = Kind::pending_of(tile);
+    have_pending = !tile.phantom;
+    MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());
+    tile = next;
+  }
+  if (ok && have_pending) {
+    Kind::template store_packed_half<0>(p, pending, ctx, packed);
+    Kind::template store_packed_half<1>(p, pending, ctx, packed);
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();
 }
@@ -120,6 +178,15 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
 }
 
 template <class Kind>
+constexpr bool deferred_epilogue() {
+  if constexpr (requires { Kind::kDeferredEpilogue; }) {
+    return Kind::kDeferredEpilogue;
+  } else {
+    return false;
+  }
+}
+
+template <class Kind>
 __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ typename Kind::Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -154,6 +221,8 @@ __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     if constexpr (Cfg::kPingPong) {
       consumer_pingpong<Kind>(p, *ss, sched, cluster_id, clusters);
+    } else if constexpr (deferred_epilogue<Kind>()) {
+      consumer_warpgroup_deferred<Kind>(p, *ss, sched, cluster_id, clusters, rank);
     } else {
       consumer_warpgroup<Kind>(p, *ss, sched, cluster_id, clusters, rank);
     }

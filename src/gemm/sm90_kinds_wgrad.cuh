@@ -40,6 +40,40 @@ struct WgradKind {
   using Problem = WgradProblemParams;
   using Params = WgradParams;
 
+  // bf16 output: the epilogue is deferred (consumer_warpgroup_deferred). A tile's result is
+  // rounded into 64 registers of bf16 pairs right after its K loop, and stored (staging +
+  // TMA, with its barriers and waits) while the next tile's first wgmma batches run. At
+  // DeepSeek-V3 sizes a tile has only 8 K steps, so the ~2k-cycle store epilogue was ~18 %
+  // of the tile with the tensor cores idle (docs/gemm.md, trace).
+  static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
+  struct Packed {
+    uint32_t v[64];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
+  };
+  struct Pending {  // what the deferred store needs of a tile
+    int problem, expert, m_tile, n_tile;
+  };
+  __device__ static Pending pending_of(const KTile& t) { return {t.problem, t.expert, t.m_tile, t.n_tile}; }
+  template <class Acc>
+  __device__ static void pack(const Acc& acc, Packed& out) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
+  }
+  // Columns [128 * Half, 128 * Half + 128) of the tile: one store round.
+  template <int Half>
+  __device__ static void store_packed_half(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+    const Problem& pr = p.problems[t.problem];
+    const CUtensorMap* map = &pr.out;
+    const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
+    const int cols = pr.n, rows = pr.m;
+    store_round<16 * Half, Half>(
+        ctx, [&](int i) { return pk.v[i / 2]; },
+        [&](uint8_t* box, int b) {
+          if (col0 + 64 * b < cols && row0 < rows) {
+            cute::SM90_TMA_STORE_3D::copy(map, box, col0 + 64 * b, row0, t.expert);
+          }
+        });
+  }
+
   // NOTE: problems are reached through their address (grid-constant parameter space);
   // indexing the array by value would copy it to local memory.
   __device__ static const Problem& problem(const Params& p, const KTile& t) { return p.problems[t.problem]; }
@@ -102,15 +136,12 @@ struct WgradKind {
     }
   }
 
+  // The fp32 modes (the bf16 output goes through pack / store_packed).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
     const Problem& pr = problem(p, t);
-    if constexpr (Mode == kWgradWriteBf16) {
-#pragma unroll
-      for (int i = 0; i < cute::size(acc); i += 2) acc(i) = __uint_as_float(pack_bf16x2(acc(i), acc(i + 1)));
-      store_bf16_half<0>(pr, t, ctx, acc);
-      store_bf16_half<1>(pr, t, ctx, acc);
-    } else {
+    static_assert(Mode != kWgradWriteBf16, "bf16 wgrad output is stored by the deferred epilogue");
+    {
       // Chunks of 8 pairs: the loads of a chunk are issued together (the asm statements keep
       // their order), so their latency overlaps instead of one round trip per pair.
       float* out = static_cast<float*>(pr.out_ptr);
@@ -153,19 +184,6 @@ struct WgradKind {
         ::"l"(ptr), "r"(static_cast<int>(on)), "f"(x), "f"(y) : "memory");
   }
 
-  template <int Half, class Acc>
-  __device__ static void store_bf16_half(const Problem& pr, const KTile& t, const EpiCtx& ctx, const Acc& acc) {
-    const CUtensorMap* map = &pr.out;
-    const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
-    const int cols = pr.n, rows = pr.m;
-    store_round<16 * Half, Half>(
-        ctx, [&](int i) { return __float_as_uint(acc(i)); },
-        [&](uint8_t* box, int b) {
-          if (col0 + 64 * b < cols && row0 < rows) {
-            cute::SM90_TMA_STORE_3D::copy(map, box, col0 + 64 * b, row0, t.expert);
-          }
-        });
-  }
 };
 
 // wgrad with bf16 output on ping-pong consumers (TileConfig::kPingPong): 128 x 128 tiles, each

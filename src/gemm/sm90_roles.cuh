@@ -170,17 +170,21 @@ constexpr int empty_barrier_arrivals() {
   return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
 }
 
+// The batch after which hook work wanted after batch `want` runs in a K loop of k_steps
+// batches: `want`, or the last batch of a shorter loop (-1 without batches, see mma_mainloop).
+__device__ inline int hook_slot(int want, int k_steps) { return k_steps > want ? want : k_steps - 1; }
+
 struct NoHook {
-  __device__ void operator()() const {}
+  __device__ void operator()(int) const {}
 };
 
 // proxy_fence: the stage's A tile was written by cp.async (generic proxy, a gathering
 // producer), which wgmma (async proxy) reads only after a proxy fence.
-// during_k_loop runs once per call, right after the second wgmma batch was issued (the first
-// with one K step; at once with none): two batches (~2k cycles of tensor work) are then in
-// flight, so work placed there (the next tile's coordinates, ~1-3k cycles) overlaps the
-// tensor cores instead of delaying the next tile's first wgmma (after the first batch only
-// half of it was covered: docs/gemm.md trace). It must not touch `acc`.
+// during_k_loop(k) runs right after wgmma batch k was issued, for every k (once with k = -1
+// when there is no K step). Up to two batches (~2k cycles of tensor work) are then in flight,
+// so work placed there (the next tile's coordinates, a deferred epilogue) overlaps the tensor
+// cores instead of delaying the next tile's first wgmma. It must not touch `acc`. Use
+// hook_slot() to pick the batch after which a piece of work runs.
 template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
@@ -189,8 +193,7 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   using cute::_;
   int prev = -1;
   (void)trace_tile;
-  const int hook_step = k_steps > 1 ? 1 : 0;
-  if (k_steps <= 0) during_k_loop();
+  if (k_steps <= 0) during_k_loop(-1);
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
@@ -199,7 +202,7 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
     cute::warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);
     cute::warpgroup_commit_batch();
-    if (k == hook_step) during_k_loop();
+    during_k_loop(k);
     cute::warpgroup_wait<1>();
     cute::warpgroup_fence_operand(acc);
     if (prev >= 0) release_stage(ss, prev, tid_in_wg);
