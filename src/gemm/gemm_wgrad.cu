@@ -1,5 +1,6 @@
 // wgrad launcher: K-grouped weight gradients over each expert's rows (sm_90a).
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -73,6 +74,12 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   }
   if (tiles >= (int64_t{1} << 31)) throw_invalid("wgrad problem", "fewer than 2^31 tiles", std::to_string(tiles));
   p.err = host::error_sink(launch);
+  // Developer knob (A/B of the deferred epilogue's placement): MOK_GEMM_WGRAD_DEFER=r0,next,r1.
+  if (const char* d = std::getenv("MOK_GEMM_WGRAD_DEFER")) {
+    if (std::sscanf(d, "%d,%d,%d", &p.defer_round0, &p.defer_next, &p.defer_round1) != 3) {
+      throw_invalid("MOK_GEMM_WGRAD_DEFER", "three batch indices \"r0,next,r1\"", d);
+    }
+  }
   Launch l = launch;
   // The host knows the tile count: no more CTAs than tiles.
   l.grid = static_cast<int>(std::min<int64_t>(host::resolve_grid(launch), tiles));

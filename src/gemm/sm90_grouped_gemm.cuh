@@ -91,9 +91,10 @@ __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, Shar
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
     const int k_steps = Kind::k_steps(p, tile);
-    // The previous tile's two store rounds after batches 1 and 3, the next tile's coordinates
-    // after batch 2: each piece (~1k cycles) is covered by the batches in flight.
-    const int round0_at = hook_slot(1, k_steps), next_at = hook_slot(2, k_steps), round1_at = hook_slot(3, k_steps);
+    // The previous tile's two store rounds and the next tile's coordinates each after their
+    // own batch (Params::defer_*), so each piece (~1k cycles) is covered by the batches in flight.
+    const int round0_at = hook_slot(p.defer_round0, k_steps), next_at = hook_slot(p.defer_next, k_steps),
+              round1_at = hook_slot(p.defer_round1, k_steps);
     auto during_k_loop = [&](int k) {
       if (have_pending && k == round0_at) Kind::template store_packed_half<0>(p, pending, ctx, packed);
       if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);

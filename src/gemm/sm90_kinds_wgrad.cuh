@@ -23,9 +23,12 @@ struct WgradProblemParams {
   void* out_ptr;
 };
 struct WgradParams {
-WgradProblemParams problems[kMaxWgradProblems];
+  WgradProblemParams problems[kMaxWgradProblems];
   KGroupedScheduler sched;
   ErrorSink err;
+  // Deferred bf16 epilogue: after which wgmma batch of the next tile's K loop the previous
+  // tile's store rounds 0 and 1 and the next tile's coordinates run (hook_slot).
+  int defer_round0 = 1, defer_next = 2, defer_round1 = 4;
 };
 
 // The output mode is a template parameter: a runtime branch around the accumulator reads
