@@ -92,7 +92,8 @@ __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, Shar
     auto next = tile;
     const int k_steps = Kind::k_steps(p, tile);
     // The previous tile's two store rounds and the next tile's coordinates each after their
-    // own batch (Params::defer_*: after batches 1, 3, 5 measured best of 1-2-3, 1-2-4, 1-3-5, 2-4-6, 0-1-2), so each piece (~1k cycles) is covered by the batches in flight.
+    // own batch (Params::defer_*; batches 1, 3, 5 measured best of 0-1-2, 1-2-3, 1-2-4, 1-3-5,
+    // 2-4-6), so each piece (~1k cycles) is covered by the batches in flight.
     const int round0_at = hook_slot(p.defer_round0, k_steps), next_at = hook_slot(p.defer_next, k_steps),
               round1_at = hook_slot(p.defer_round1, k_steps);
     auto during_k_loop = [&](int k) {
