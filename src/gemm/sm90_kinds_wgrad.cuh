@@ -29,7 +29,6 @@ struct WgradParams {
   // Deferred bf16 epilogue: after which wgmma batch of the next tile's K loop the previous
   // tile's store rounds 0 and 1 and the next tile's coordinates run (hook_slot).
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5;
-  int l2_prefetch = 1;  // the producer prefetches the CTA's next tile's operands into L2
 };
 
 // The output mode is a template parameter: a runtime branch around the accumulator reads
@@ -102,23 +101,6 @@ struct WgradKind {
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_2d(&pr.b, bar, b + box * 8192, 256 * t.n_tile + 64 * box, row, mask);
     });
-  }
-
-  // With 8 K steps per tile (512 rows per expert) the operands of a new m-tile are first
-  // touched by all CTAs sharing it at once and come from HBM while the ring holds only four
-  // stages: the K loop waits on them (trace: ~2k cycles per tile). The producer therefore asks
-  // TMA to bring the CTA's *next* tile's A and B boxes into L2 when it starts a tile, about
-  // one tile (~6 us) ahead.
-  __device__ static void prefetch_l2(const Params& p, const KTile& t) {
-    if (!p.l2_prefetch) return;
-    const Problem& pr = problem(p, t);
-    for (int k = 0; k < t.k_steps; ++k) {
-      const int row = t.row0 + kKStepRows * k;
-#pragma unroll
-      for (int box = 0; box < 2; ++box) cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&pr.a, 128 * t.m_tile + 64 * box, row);
-#pragma unroll
-      for (int box = 0; box < 4; ++box) cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&pr.b, 256 * t.n_tile + 64 * box, row);
-    }
   }
 
   // Element (m, n) of dW[e] held by fragment pair i of this thread, and whether it exists.

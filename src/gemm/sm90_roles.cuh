@@ -97,10 +97,6 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     MOK_GEMM_MARK(p.err, local, 5, clock64());
     const auto tile = Kind::tile(p, sched, t, rank);
-    // Kinds with short K loops prefetch the next tile's operands into L2 (prefetch_l2).
-    if constexpr (requires { Kind::prefetch_l2(p, tile); }) {
-      if (t + clusters < tiles) Kind::prefetch_l2(p, Kind::tile(p, sched, t + clusters, rank));
-    }
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
     MOK_GEMM_MARK(p.err, local, 7, k_steps);
