@@ -61,8 +61,8 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
 
 // Consumers of a kind with a deferred epilogue (Kind::kDeferredEpilogue): after a tile's K
 // loop its result is only rounded into registers (Kind::pack); the stores (staging, barriers,
-// TMA) run inside the next tile's K loop, after its second wgmma batch, where they overlap the
-// tensor cores. The last tile is stored after the loop.
+// TMA) run inside the next tile's K loop, after some of its wgmma batches (Params::defer_*),
+// where they overlap the tensor cores. The last tile is stored after the loop.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
                                             const Scheduler& sched, int cluster_id, int clusters, int rank) {
