@@ -38,15 +38,26 @@ MOK_GEMM_HD inline void raster_group(int l, int m_tiles, int n_tiles, int group,
   m = g * group + r % rows_in_group;
 }
 
+// Entry i of a segment-offsets table in memory (the kernels may pass other loaders, e.g. one
+// reading a shared-memory copy: gemm::SegOffsets).
+struct OffsetsPtr {
+  const int32_t* p;
+  MOK_GEMM_HD int32_t operator()(int i) const { return load_ro(p + i); }
+};
+
 // Last expert whose segment (offsets in rows, multiples of 128) starts at or before global
 // row tile rt; empty segments are skipped because a later expert with the same start wins.
-MOK_GEMM_HD inline int expert_of_row_tile(const int32_t* offsets, int experts, int rt) {
+template <class Offsets>
+MOK_GEMM_HD inline int expert_of_row_tile(const Offsets& off, int experts, int rt) {
   int lo = 0, hi = experts;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (load_ro(offsets + mid) / kRowTileRows <= rt) lo = mid; else hi = mid;
+    if (off(mid) / kRowTileRows <= rt) lo = mid; else hi = mid;
   }
   return lo;
+}
+MOK_GEMM_HD inline int expert_of_row_tile(const int32_t* offsets, int experts, int rt) {
+  return expert_of_row_tile(OffsetsPtr{offsets}, experts, rt);
 }
 
 // Expert-aligned raster over the global row tiles [first, first + count) of an expert-major
@@ -57,17 +68,22 @@ MOK_GEMM_HD inline int expert_of_row_tile(const int32_t* offsets, int experts, i
 // routed segment lengths most do). Group [g0, g0 + rows) holds tasks
 // [(g0 - first) * n_tiles, (g0 - first + rows) * n_tiles), so first + l / n_tiles is a row
 // tile of task l's group.
+template <class Offsets>
 MOK_GEMM_HD inline void raster_expert_groups(int l, int first, int count, int n_tiles, int group,
-                                             const int32_t* offsets, int experts, int& rt, int& n) {
+                                             const Offsets& off, int experts, int& rt, int& n) {
   const int q = first + l / n_tiles;
-  const int e = expert_of_row_tile(offsets, experts, q);
-  const int seg_lo = imax(first, load_ro(offsets + e) / kRowTileRows);
-  const int seg_hi = imin(first + count, load_ro(offsets + e + 1) / kRowTileRows);
+  const int e = expert_of_row_tile(off, experts, q);
+  const int seg_lo = imax(first, off(e) / kRowTileRows);
+  const int seg_hi = imin(first + count, off(e + 1) / kRowTileRows);
   const int g0 = seg_lo + (q - seg_lo) / group * group;
   const int rows = imin(group, seg_hi - g0);
   const int local = l - (g0 - first) * n_tiles;
   n = local / rows;
   rt = g0 + local % rows;
+}
+MOK_GEMM_HD inline void raster_expert_groups(int l, int first, int count, int n_tiles, int group,
+                                             const int32_t* offsets, int experts, int& rt, int& n) {
+  raster_expert_groups(l, first, count, n_tiles, group, OffsetsPtr{offsets}, experts, rt, n);
 }
 
 }  // namespace mok::gemm

@@ -17,7 +17,7 @@ namespace mok::gemm {
 // per tile: seed, K loop, epilogue (phantom tiles of a cluster are computed, never stored).
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
-                                   int cluster_id, int clusters, int rank) {
+                                   uint32_t seg, int cluster_id, int clusters, int rank) {
   const int ctid = threadIdx.x - kWarpGroupThreads;
   auto mma = make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
@@ -35,7 +35,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   (void)marks;
   // The next tile's coordinates (a few dependent loads of the segment table, ~1-3k cycles)
   // are computed while the current tile's first wgmma batches run.
-  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank);
+  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank, seg);
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     const int mark_tile = marks ? local : -1;
     (void)mark_tile;
@@ -47,7 +47,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     // After the second batch: two batches (~2k cycles) cover the ~1-3k cycles of this.
     const int next_at = hook_slot(1, k_steps);
     auto compute_next = [&](int k) {
-      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);
+      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank, seg);
     };
     if (!mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, compute_next))
       break;
@@ -65,7 +65,8 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
 // where they overlap the tensor cores. The last tile is stored after the loop.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
-                                            const Scheduler& sched, int cluster_id, int clusters, int rank) {
+                                            const Scheduler& sched, uint32_t seg, int cluster_id, int clusters,
+                                            int rank) {
   const int ctid = threadIdx.x - kWarpGroupThreads;
   auto mma = make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
@@ -82,7 +83,7 @@ __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, Shar
   typename Kind::Pending pending{};
   bool have_pending = false;
   bool ok = true;
-  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank);
+  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank, seg);
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     const int mark_tile = marks ? local : -1;
     (void)mark_tile;
@@ -98,7 +99,7 @@ __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, Shar
               round1_at = hook_slot(p.defer_round1, k_steps);
     auto during_k_loop = [&](int k) {
       if (have_pending && k == round0_at) Kind::template store_packed_half<0>(p, pending, ctx, packed);
-      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank);
+      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank, seg);
       if (have_pending && k == round1_at) Kind::template store_packed_half<1>(p, pending, ctx, packed);
     };
     ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
@@ -135,7 +136,7 @@ __device__ inline void pingpong_pass_turn(int wg) {
 }
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
-                                  int cta, int ctas) {
+                                  uint32_t seg, int cta, int ctas) {
   const int ctid = threadIdx.x - kWarpGroupThreads;
   // NOTE: warp-uniform for ptxas (a threadIdx-derived branch around wgmma serialises it).
   const int wg = __shfl_sync(0xffffffffu, ctid / kWarpGroupThreads, 0);
@@ -153,7 +154,7 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
   int local = 0, t = cta;
   // Every pass_turn has a matching wait_turn: a turn is passed only when the CTA has a next tile.
   for (; t < tiles; t += ctas, ++local) {
-    const auto tile = Kind::tile(p, sched, t, 0);
+    const auto tile = Kind::tile(p, sched, t, 0, seg);
     const int k_steps = Kind::k_steps(p, tile);
     if ((local & 1) != wg) {
       skip_stages(st, k_steps);
@@ -207,9 +208,11 @@ __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
     ss->bars.init(empty_barrier_arrivals<Cfg>());
     Kind::prefetch_descriptors(p);
   }
-  // Barriers of every CTA of the cluster are initialised before anyone multicasts or arrives.
-  if constexpr (C > 1) cute::cluster_sync(); else __syncthreads();
   const auto sched = Kind::scheduler(p);
+  const uint32_t seg = Kind::kSegTable ? cache_segment_offsets(*ss, sched) : 0u;
+  // Barriers of every CTA of the cluster are initialised (and the segment table copied)
+  // before anyone multicasts, arrives or schedules.
+  if constexpr (C > 1) cute::cluster_sync(); else __syncthreads();
 
   // NOTE: no CTA of a cluster may exit while a peer can still multicast into its shared
   // memory or arrive on its barriers: every thread ends with a cluster barrier. It is called
@@ -217,16 +220,16 @@ __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
   // roles makes ptxas serialise wgmma (C7512).
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (threadIdx.x == 0) tma_producer<Kind>(p, *ss, sched, cluster_id, clusters, rank);
+    if (threadIdx.x == 0) tma_producer<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
     if constexpr (C > 1) cute::cluster_sync();
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     if constexpr (Cfg::kPingPong) {
-      consumer_pingpong<Kind>(p, *ss, sched, cluster_id, clusters);
+      consumer_pingpong<Kind>(p, *ss, sched, seg, cluster_id, clusters);
     } else if constexpr (deferred_epilogue<Kind>()) {
-      consumer_warpgroup_deferred<Kind>(p, *ss, sched, cluster_id, clusters, rank);
+      consumer_warpgroup_deferred<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
     } else {
-      consumer_warpgroup<Kind>(p, *ss, sched, cluster_id, clusters, rank);
+      consumer_warpgroup<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
     }
     if constexpr (C > 1) cute::cluster_sync();
   }

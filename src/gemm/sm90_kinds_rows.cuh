@@ -20,10 +20,13 @@ namespace mok::gemm {
 template <class Derived, class CfgT>
 struct RowKindBase {
   using Cfg = CfgT;
+  static constexpr bool kSegTable = true;  // tile coordinates from a shared-memory copy (SegOffsets)
   template <class P>
   __device__ static RowScheduler scheduler(const P& p) { return p.sched; }
   template <class P>
-  __device__ static RowTile tile(const P&, const RowScheduler& s, int t, int rank) { return s.tile(t, rank); }
+  __device__ static RowTile tile(const P&, const RowScheduler& s, int t, int rank, uint32_t seg_smem = 0) {
+    return s.tile(t, rank, seg_smem);
+  }
   template <class P>
   __device__ static void producer_check(const P&, const RowTile&) {}
   // Tiles made only of padding rows skip the K loop and store zeros (in a cluster only when

@@ -49,6 +49,10 @@ struct WgradKind {
   // DeepSeek-V3 sizes a tile has only 8 K steps, so the ~2k-cycle store epilogue was ~18 %
   // of the tile with the tensor cores idle (docs/gemm.md, trace).
   static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
+  // Tile coordinates from a shared-memory copy of the offsets (SegOffsets); the seeding
+  // kernels (fp32 partial continued, rare) read global memory: with the copy the partial-output
+  // one spilled 4 bytes.
+  static constexpr bool kSegTable = !Seeded;
   struct Packed {
     uint32_t v[64];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
   };
@@ -88,7 +92,9 @@ struct WgradKind {
     }
   }
   __device__ static KGroupedScheduler scheduler(const Params& p) { return p.sched; }
-  __device__ static KTile tile(const Params&, const KGroupedScheduler& s, int t, int rank) { return s.tile(t, rank); }
+  __device__ static KTile tile(const Params&, const KGroupedScheduler& s, int t, int rank, uint32_t seg_smem = 0) {
+    return s.tile(t, rank, seg_smem);
+  }
   __device__ static void producer_check(const Params& p, const KTile& t) { p.sched.check_range(t.expert, p.err); }
   __device__ static int k_steps(const Params&, const KTile& t) { return t.k_steps; }
 

@@ -32,7 +32,23 @@ struct alignas(1024) SharedStorage {
   alignas(1024) uint8_t b[Cfg::kStages][Cfg::kBBytes];
   alignas(1024) uint8_t epi[Cfg::kConsumerWGs][Cfg::kEpiBytesPerWG];
   StageBarriers<Cfg::kStages> bars;
+  // The segment offsets (experts + 1 entries) when they fit in the rest of the barrier block
+  // (tile_scheduler.cuh, SegOffsets).
+  static constexpr int kSegTableCap = (Cfg::kBarrierBytes - static_cast<int>(sizeof(StageBarriers<Cfg::kStages>))) / 4;
+  int32_t seg_offsets[kSegTableCap];
 };
+
+// Copies the scheduler's segment offsets into shared memory when they fit; returns the copy's
+// 32-bit shared address (never 0: it sits behind the stage ring) or 0 to read the device
+// array. The scheduler stays a parameter-space constant. All threads take part; the caller
+// synchronises after.
+template <class Cfg, class Scheduler>
+__device__ inline uint32_t cache_segment_offsets(SharedStorage<Cfg>& ss, const Scheduler& sched) {
+  const int n = sched.experts + 1;
+  if (n > SharedStorage<Cfg>::kSegTableCap) return 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss.seg_offsets[i] = __ldg(sched.offsets + i);
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ss.seg_offsets));
+}
 
 // CuTe view of the operand ring: (rows, 64, stages). MN-major tiles are laid out as TMA
 // writes them: 64-wide boxes of the contiguous dimension, each holding all 64 K.
@@ -90,13 +106,13 @@ __device__ inline void skip_stages(PipeState<Stages>& st, int steps) {
 // One thread issues every TMA load of the CTA. Returns early only on a timeout.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
-                             const Scheduler& sched, int cluster_id, int clusters, int rank) {
+                             const Scheduler& sched, uint32_t seg, int cluster_id, int clusters, int rank) {
   PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released: the first round does not wait
   const int tiles = sched.num_tiles();
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     MOK_GEMM_MARK(p.err, local, 5, clock64());
-    const auto tile = Kind::tile(p, sched, t, rank);
+    const auto tile = Kind::tile(p, sched, t, rank, seg);
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
     MOK_GEMM_MARK(p.err, local, 7, k_steps);

@@ -14,6 +14,23 @@ namespace mok::gemm {
 
 inline constexpr int kKStepRows = 64;     // wgrad K step (rows) == TileConfig::kBK
 
+// The segment offsets as the GEMM kernels read them: from a shared-memory copy when the
+// kernel made one (`smem` = its 32-bit shared address, cache_segment_offsets in
+// sm90_roles.cuh), else from the device array. A tile's coordinates are a chain of dependent
+// loads of this table (binary search); from global memory that took ~2.6k cycles per tile.
+struct SegOffsets {
+  const int32_t* global;
+  uint32_t smem;  // 0: no copy
+  __device__ int32_t operator()(int i) const {
+    if (smem != 0) {
+      int32_t v;
+      asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(smem + 4u * static_cast<uint32_t>(i)));
+      return v;
+    }
+    return __ldg(global + i);
+  }
+};
+
 // ---- Row-grouped GEMMs (forward, dgrad): M = the rows of each segment. ----
 // The list is over units of `cluster` consecutive global row tiles x column blocks; CTA
 // `rank` of a cluster takes row tile unit*cluster + rank. The two CTAs share (multicast) their
@@ -37,17 +54,22 @@ struct RowScheduler {
   int cluster;  // CTAs per cluster (1 or 2)
   bool expert_groups;  // cluster 1: raster groups aligned to experts (raster_expert_groups)
 
-  __device__ int first_row_tile() const { return __ldg(offsets) / kRowTileRows; }
-  __device__ int row_tiles() const { return __ldg(offsets + experts) / kRowTileRows - first_row_tile(); }
+  __device__ SegOffsets seg(uint32_t smem = 0) const { return {offsets, smem}; }
+  __device__ int first_row_tile(uint32_t smem = 0) const { return seg(smem)(0) / kRowTileRows; }
+  __device__ int row_tiles(uint32_t smem = 0) const {
+    return seg(smem)(experts) / kRowTileRows - first_row_tile(smem);
+  }
   __device__ int num_tiles() const { return (row_tiles() + cluster - 1) / cluster * n_tiles; }
 
   __device__ int expert_of(int rt) const { return expert_of_row_tile(offsets, experts, rt); }
 
-  __device__ RowTile tile(int t, int rank) const {
-    const int first = first_row_tile(), total = row_tiles();
+  // seg_smem: the shared-memory copy of the offsets, or 0 (SegOffsets).
+  __device__ RowTile tile(int t, int rank, uint32_t seg_smem = 0) const {
+    const SegOffsets off = seg(seg_smem);
+    const int first = first_row_tile(seg_smem), total = row_tiles(seg_smem);
     int unit, n;
     if (cluster == 1 && expert_groups) {
-      raster_expert_groups(t, first, total, n_tiles, group_m, offsets, experts, unit, n);
+      raster_expert_groups(t, first, total, n_tiles, group_m, off, experts, unit, n);
       unit -= first;
     } else {
       raster_group(t, (total + cluster - 1) / cluster, n_tiles, max(group_m / cluster, 1), unit, n);
@@ -60,8 +82,8 @@ struct RowScheduler {
       if (c >= cluster) break;
       const int rt = first + unit * cluster + c;
       const bool valid = rt - first < total;
-      const int e = valid ? expert_of(rt) : 0;
-      const int real = valid ? min(max(__ldg(rows + e) - (rt * kRowTileRows - __ldg(offsets + e)), 0), kRowTileRows) : 0;
+      const int e = valid ? expert_of_row_tile(off, experts, rt) : 0;
+      const int real = valid ? min(max(__ldg(rows + e) - (rt * kRowTileRows - off(e)), 0), kRowTileRows) : 0;
       experts_seen[c] = valid ? e : -1 - c;
       real_sum += real;
       if (c == rank) {
@@ -118,9 +140,10 @@ struct KGroupedScheduler {
   // to the segment and to its real rows rounded up to the K step. The clip depends only on
   // the row index (padding rows are zero by contract), so splitting a range over several
   // calls visits exactly the same K steps in the same order as one call.
-  __device__ void k_range(int e, int& row0, int& k_steps) const {
-    const int seg_begin = __ldg(offsets + e);
-    const int seg_len = __ldg(offsets + e + 1) - seg_begin;
+  __device__ void k_range(int e, int& row0, int& k_steps, uint32_t seg_smem = 0) const {
+    const SegOffsets off{offsets, seg_smem};
+    const int seg_begin = off(e);
+    const int seg_len = off(e + 1) - seg_begin;
     const int begin = row_begin != nullptr ? __ldg(row_begin + e) : 0;
     int end = row_end != nullptr ? __ldg(row_end + e) : seg_len;
     const int real_end = (__ldg(rows + e) + kKStepRows - 1) / kKStepRows * kKStepRows;
@@ -140,7 +163,7 @@ struct KGroupedScheduler {
     if (bad && err.flag != nullptr) atomicOr(err.flag, kErrorBadRowRange);
   }
 
-  __device__ KTile tile(int t, int rank) const {
+  __device__ KTile tile(int t, int rank, uint32_t seg_smem = 0) const {
     // Static indices only (a dynamically indexed array would live in local memory).
     int p = 0, mu = m_units(0), mt = m_tiles[0], nt = n_tiles[0];
 #pragma unroll
@@ -163,7 +186,7 @@ struct KGroupedScheduler {
     tile.m_tile = unit * cluster + rank;
     tile.phantom = tile.m_tile >= mt;
     tile.shared_b = cluster > 1;
-    k_range(tile.expert, tile.row0, tile.k_steps);
+    k_range(tile.expert, tile.row0, tile.k_steps, seg_smem);
     return tile;
   }
 };
