@@ -49,10 +49,11 @@ struct WgradKind {
   // DeepSeek-V3 sizes a tile has only 8 K steps, so the ~2k-cycle store epilogue was ~18 %
   // of the tile with the tensor cores idle (docs/gemm.md, trace).
   static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
-  // Tile coordinates from a shared-memory copy of the offsets (SegOffsets); the seeding
-  // kernels (fp32 partial continued, rare) read global memory: with the copy the partial-output
-  // one spilled 4 bytes.
-  static constexpr bool kSegTable = !Seeded;
+  // Tile coordinates from a shared-memory copy of the offsets (SegOffsets) in the bf16 kernel
+  // without a partial, where it measured +2-3 % (8 K steps per tile: every cycle outside the K
+  // loop counts). Not in the others: the fp32 accumulate kernel measured 4-12 % slower with
+  // it, and the seeding partial-output one spilled 4 bytes (docs/gemm.md).
+  static constexpr bool kSegTable = Mode == kWgradWriteBf16 && !Seeded;
   struct Packed {
     uint32_t v[64];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
   };
