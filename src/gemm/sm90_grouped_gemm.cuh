@@ -105,7 +105,7 @@ __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, Shar
     ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
-    Kind::pack(acc, packed);
+    Kind::pack(p, tile, ctx, acc, packed);
     pending = Kind::pending_of(tile);
     have_pending = !tile.phantom;
     MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());

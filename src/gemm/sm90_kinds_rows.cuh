@@ -137,6 +137,38 @@ __device__ inline void store_bf16_256(const EpiCtx& ctx, Acc& acc, const CUtenso
   store_packed<16, 0, 1>(ctx, acc, map, 256 * t.n_tile + 128, cols, t.row0);
 }
 
+// The standalone GEMM 2 and dx kernels defer this epilogue (consumer_warpgroup_deferred): the
+// finished tile is rounded into 64 registers of bf16 pairs (padding rows zero) and stored in
+// two rounds inside the next tile's K loop. Derived supplies out_map(p) and out_cols(p).
+// On = false keeps the plain epilogue (the 2-CTA cluster kernels: 16 bytes spilled with it).
+template <class Derived, bool On>
+struct DeferredBf16x256 {
+  static constexpr bool kDeferredEpilogue = On;
+  struct Packed {
+    uint32_t v[64];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
+  };
+  struct Pending {
+    int row0, n_tile;
+  };
+  __device__ static Pending pending_of(const RowTile& t) { return {t.row0, t.n_tile}; }
+  template <class P, class Acc>
+  __device__ static void pack(const P&, const RowTile& t, const EpiCtx& ctx, const Acc& acc, Packed& out) {
+    const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) out.v[i] = (i % 2 ? real1 : real0) ? pack_bf16x2(acc(2 * i), acc(2 * i + 1)) : 0u;
+  }
+  template <int Half, class P>
+  __device__ static void store_packed_half(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+    const CUtensorMap* map = Derived::out_map(p);
+    const int col0 = 256 * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
+    store_round<16 * Half, Half>(
+        ctx, [&](int i) { return pk.v[i / 2]; },
+        [&](uint8_t* box, int b) {
+          if (col0 + 64 * b < cols) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
+        });
+  }
+};
+
 struct Gemm2Params {
   CUtensorMap h;       // [rows, I], box 64 x 128
   CUtensorMap w_down;  // [E, H, I], box 64 x 128 x 1 (two boxes per 256-row B tile)
@@ -145,12 +177,16 @@ struct Gemm2Params {
   int k_steps;         // I / 64
   int hidden;
   ErrorSink err;
+  int defer_round0 = 1, defer_next = 3, defer_round1 = 5;  // deferred epilogue placement
 };
 
 template <int C>
-struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kK, C>> {
+struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kK, C>>,
+                   DeferredBf16x256<Gemm2Kind<C>, C == 1> {
   using Cfg = TileConfig<256, kPipeStages, Major::kK, Major::kK, C>;
   using Params = Gemm2Params;
+  __device__ static const CUtensorMap* out_map(const Params& p) { return &p.out; }
+  __device__ static int out_cols(const Params& p) { return p.hidden; }
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.h);
     cute::prefetch_tma_descriptor(&p.w_down);
@@ -178,12 +214,16 @@ struct DgradInputParams {
   int k_steps;                 // 2I / 64
   int hidden;
   ErrorSink err;
+  int defer_round0 = 1, defer_next = 3, defer_round1 = 5;  // deferred epilogue placement
 };
 
 template <int C>
-struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>> {
+struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>>,
+                        DeferredBf16x256<DgradInputKind<C>, C == 1> {
   using Cfg = TileConfig<256, kPipeStages, Major::kK, Major::kMN, C>;
   using Params = DgradInputParams;
+  __device__ static const CUtensorMap* out_map(const Params& p) { return &p.dx; }
+  __device__ static int out_cols(const Params& p) { return p.hidden; }
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dg);
     cute::prefetch_tma_descriptor(&p.du);

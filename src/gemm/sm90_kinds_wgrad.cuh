@@ -62,7 +62,7 @@ struct WgradKind {
   };
   __device__ static Pending pending_of(const KTile& t) { return {t.problem, t.expert, t.m_tile, t.n_tile}; }
   template <class Acc>
-  __device__ static void pack(const Acc& acc, Packed& out) {
+  __device__ static void pack(const Params&, const KTile&, const EpiCtx&, const Acc& acc, Packed& out) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
   }
