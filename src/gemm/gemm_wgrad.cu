@@ -74,8 +74,6 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   }
   if (tiles >= (int64_t{1} << 31)) throw_invalid("wgrad problem", "fewer than 2^31 tiles", std::to_string(tiles));
   p.err = host::error_sink(launch);
-  // Developer knob (A/B): MOK_GEMM_WGRAD_GROUP_PREFETCH=0 turns the next expert's L2 prefetch off.
-  if (const char* gp = std::getenv("MOK_GEMM_WGRAD_GROUP_PREFETCH")) p.group_prefetch = std::atoi(gp) != 0;
   // Developer knob (A/B of the deferred epilogue's placement): MOK_GEMM_WGRAD_DEFER=r0,next,r1.
   if (const char* d = std::getenv("MOK_GEMM_WGRAD_DEFER")) {
     if (std::sscanf(d, "%d,%d,%d", &p.defer_round0, &p.defer_next, &p.defer_round1) != 3) {

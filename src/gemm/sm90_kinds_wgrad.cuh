@@ -29,7 +29,6 @@ struct WgradParams {
   // Deferred bf16 epilogue: after which wgmma batch of the next tile's K loop the previous
   // tile's store rounds 0 and 1 and the next tile's coordinates run (hook_slot).
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5;
-  int group_prefetch = 1;  // prefetch the next (problem, expert)'s operands into L2 (prefetch_next_group)
 };
 
 // The output mode is a template parameter: a runtime branch around the accumulator reads
@@ -109,35 +108,6 @@ struct WgradKind {
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_2d(&pr.b, bar, b + box * 8192, 256 * t.n_tile + 64 * box, row, mask);
     });
-  }
-
-  // Tiles run (problem, expert)-major, so every CTA moves to the next expert's operands at
-  // about the same time and their first touches come from HBM together. When a CTA's producer
-  // starts its first tile of a (problem, expert), it asks TMA to bring its 1/grid share of the
-  // *next* (problem, expert)'s A and B boxes into L2 (about 9 boxes per CTA at DeepSeek-V3
-  // sizes), one expert (~3 tiles) ahead.
-  __device__ static int group_of(const KTile& t) { return t.problem * 65536 + t.expert; }
-  __device__ static void prefetch_next_group(const Params& p, const KGroupedScheduler& s, const KTile& t,
-                                             uint32_t seg_smem) {
-    if (!p.group_prefetch) return;
-    int q = t.problem, e = t.expert + 1;
-    if (e >= s.experts) {
-      e = 0;
-      if (++q >= s.num_problems) return;
-    }
-    int row0, k_steps;
-    s.k_range(e, row0, k_steps, seg_smem);
-    const Problem& pr = p.problems[q];
-    const int a_boxes = (pr.m + 63) / 64, per_step = a_boxes + (pr.n + 63) / 64;
-    for (int i = static_cast<int>(blockIdx.x); i < per_step * k_steps; i += static_cast<int>(gridDim.x)) {
-      const int k = i / per_step, b = i - k * per_step;
-      const int row = row0 + kKStepRows * k;
-      if (b < a_boxes) {
-        cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&pr.a, 64 * b, row);
-      } else {
-        cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&pr.b, 64 * (b - a_boxes), row);
-      }
-    }
   }
 
   // Element (m, n) of dW[e] held by fragment pair i of this thread, and whether it exists.

@@ -110,20 +110,9 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
   PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released: the first round does not wait
   const int tiles = sched.num_tiles();
-  int last_group = -1;
-  (void)last_group;
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     MOK_GEMM_MARK(p.err, local, 5, clock64());
     const auto tile = Kind::tile(p, sched, t, rank, seg);
-    // Kinds whose tiles come in groups sharing operands (wgrad: one expert of one problem)
-    // prefetch the next group into L2 when this CTA enters a group.
-    if constexpr (requires { Kind::prefetch_next_group(p, sched, tile, seg); }) {
-      const int g = Kind::group_of(tile);
-      if (g != last_group) {
-        Kind::prefetch_next_group(p, sched, tile, seg);
-        last_group = g;
-      }
-    }
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
     MOK_GEMM_MARK(p.err, local, 7, k_steps);
