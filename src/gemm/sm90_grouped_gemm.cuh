@@ -13,11 +13,38 @@
 
 namespace mok::gemm {
 
+template <class Kind>
+constexpr bool deferred_epilogue() {
+  if constexpr (requires { Kind::kDeferredEpilogue; }) {
+    return Kind::kDeferredEpilogue;
+  } else {
+    return false;
+  }
+}
+
+// A deferred epilogue's tile in waiting: its bf16 bits and where they go (empty for kinds
+// that store at once).
+template <class Kind, bool = deferred_epilogue<Kind>()>
+struct PendingStore {};
+template <class Kind>
+struct PendingStore<Kind, true> {
+  typename Kind::Packed packed;
+  typename Kind::Pending where{};
+  bool waiting = false;
+};
+
 // Consumer warpgroups: operand views, descriptors and the accumulator of this thread; then
 // per tile: seed, K loop, epilogue (phantom tiles of a cluster are computed, never stored).
+// The next tile's coordinates (a few dependent loads of the segment table, ~1-3k cycles) are
+// computed inside the K loop, under the wgmma batches in flight (mma_mainloop's hook).
+// Kinds with a deferred epilogue (Kind::kDeferredEpilogue) only round a finished tile into
+// registers (Kind::pack); its stores (staging, barriers, TMA) run inside the next tile's K
+// loop, after some of its batches (Params::defer_*), where they overlap the tensor cores; the
+// last tile is stored after the loop.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
                                    uint32_t seg, int cluster_id, int clusters, int rank) {
+  constexpr bool kDeferred = deferred_epilogue<Kind>();
   const int ctid = threadIdx.x - kWarpGroupThreads;
   auto mma = make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
@@ -33,55 +60,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   // Trace marks (developer build only) come from thread 0 of consumer warpgroup 0.
   const bool marks = ctx.wg == 0 && ctx.tid == 0;
   (void)marks;
-  // The next tile's coordinates (a few dependent loads of the segment table, ~1-3k cycles)
-  // are computed while the current tile's first wgmma batches run.
-  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank, seg);
-  for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
-    const int mark_tile = marks ? local : -1;
-    (void)mark_tile;
-    MOK_GEMM_MARK(p.err, mark_tile, 0, clock64());
-    Kind::seed(p, tile, ctx, acc);
-    MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
-    auto next = tile;
-    const int k_steps = Kind::k_steps(p, tile);
-    // After the second batch: two batches (~2k cycles) cover the ~1-3k cycles of this.
-    const int next_at = hook_slot(1, k_steps);
-    auto compute_next = [&](int k) {
-      if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank, seg);
-    };
-    if (!mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, compute_next))
-      break;
-    MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
-    if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
-    MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());
-    tile = next;
-  }
-  if (ctx.tid == 0) tma_store_wait_all_complete();
-}
-
-// Consumers of a kind with a deferred epilogue (Kind::kDeferredEpilogue): after a tile's K
-// loop its result is only rounded into registers (Kind::pack); the stores (staging, barriers,
-// TMA) run inside the next tile's K loop, after some of its wgmma batches (Params::defer_*),
-// where they overlap the tensor cores. The last tile is stored after the loop.
-template <class Kind, class Cfg, class Scheduler>
-__device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
-                                            const Scheduler& sched, uint32_t seg, int cluster_id, int clusters,
-                                            int rank) {
-  const int ctid = threadIdx.x - kWarpGroupThreads;
-  auto mma = make_consumer_mma<Cfg>();
-  auto thr = mma.get_thread_slice(ctid);
-  auto tCrA = thr.make_fragment_A(thr.partition_A(smem_a(ss)));
-  auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
-  auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
-  const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
-
-  PipeState<Cfg::kStages> st;
-  const int tiles = sched.num_tiles();
-  const bool marks = ctx.wg == 0 && ctx.tid == 0;
-  (void)marks;
-  typename Kind::Packed packed;
-  typename Kind::Pending pending{};
-  bool have_pending = false;
+  [[maybe_unused]] PendingStore<Kind> pending;
   bool ok = true;
   auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank, seg);
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
@@ -92,28 +71,46 @@ __device__ void consumer_warpgroup_deferred(const typename Kind::Params& p, Shar
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
     const int k_steps = Kind::k_steps(p, tile);
-    // The previous tile's two store rounds and the next tile's coordinates each after their
-    // own batch (Params::defer_*; batches 1, 3, 5 measured best of 0-1-2, 1-2-3, 1-2-4, 1-3-5,
+    // The batches after which the hook's pieces run. The next tile's coordinates: after the
+    // second batch (two batches, ~2k cycles, cover their ~1-3k cycles). Deferred epilogues:
+    // the previous tile's two store rounds and the next tile's coordinates each after their own
+    // batch (Params::defer_*; batches 1, 3, 5 measured best of 0-1-2, 1-2-3, 1-2-4, 1-3-5,
     // 2-4-6), so each piece (~1k cycles) is covered by the batches in flight.
-    const int round0_at = hook_slot(p.defer_round0, k_steps), next_at = hook_slot(p.defer_next, k_steps),
-              round1_at = hook_slot(p.defer_round1, k_steps);
+    int round0_at = -2, next_at, round1_at = -2;
+    if constexpr (kDeferred) {
+      round0_at = hook_slot(p.defer_round0, k_steps);
+      next_at = hook_slot(p.defer_next, k_steps);
+      round1_at = hook_slot(p.defer_round1, k_steps);
+    } else {
+      next_at = hook_slot(1, k_steps);
+    }
     auto during_k_loop = [&](int k) {
-      if (have_pending && k == round0_at) Kind::template store_packed_half<0>(p, pending, ctx, packed);
+      if constexpr (kDeferred) {
+        if (pending.waiting && k == round0_at) Kind::template store_packed_half<0>(p, pending.where, ctx, pending.packed);
+      }
       if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank, seg);
-      if (have_pending && k == round1_at) Kind::template store_packed_half<1>(p, pending, ctx, packed);
+      if constexpr (kDeferred) {
+        if (pending.waiting && k == round1_at) Kind::template store_packed_half<1>(p, pending.where, ctx, pending.packed);
+      }
     };
     ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
-    Kind::pack(p, tile, ctx, acc, packed);
-    pending = Kind::pending_of(tile);
-    have_pending = !tile.phantom;
+    if constexpr (kDeferred) {
+      Kind::pack(p, tile, ctx, acc, pending.packed);
+      pending.where = Kind::pending_of(tile);
+      pending.waiting = !tile.phantom;
+    } else {
+      if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
+    }
     MOK_GEMM_MARK(p.err, mark_tile, 4, clock64());
     tile = next;
   }
-  if (ok && have_pending) {
-    Kind::template store_packed_half<0>(p, pending, ctx, packed);
-    Kind::template store_packed_half<1>(p, pending, ctx, packed);
+  if constexpr (kDeferred) {
+    if (ok && pending.waiting) {
+      Kind::template store_packed_half<0>(p, pending.where, ctx, pending.packed);
+      Kind::template store_packed_half<1>(p, pending.where, ctx, pending.packed);
+    }
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();
 }
@@ -181,15 +178,6 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
 }
 
 template <class Kind>
-constexpr bool deferred_epilogue() {
-  if constexpr (requires { Kind::kDeferredEpilogue; }) {
-    return Kind::kDeferredEpilogue;
-  } else {
-    return false;
-  }
-}
-
-template <class Kind>
 __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ typename Kind::Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -226,8 +214,6 @@ __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     if constexpr (Cfg::kPingPong) {
       consumer_pingpong<Kind>(p, *ss, sched, seg, cluster_id, clusters);
-    } else if constexpr (deferred_epilogue<Kind>()) {
-      consumer_warpgroup_deferred<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
     } else {
       consumer_warpgroup<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
     }

@@ -137,7 +137,7 @@ __device__ inline void store_bf16_256(const EpiCtx& ctx, Acc& acc, const CUtenso
   store_packed<16, 0, 1>(ctx, acc, map, 256 * t.n_tile + 128, cols, t.row0);
 }
 
-// The standalone GEMM 2 and dx kernels defer this epilogue (consumer_warpgroup_deferred): the
+// The standalone GEMM 2 and dx kernels defer this epilogue (consumer_warpgroup, kDeferredEpilogue): the
 // finished tile is rounded into 64 registers of bf16 pairs (padding rows zero) and stored in
 // two rounds inside the next tile's K loop. Derived supplies out_map(p) and out_cols(p).
 // On = false keeps the plain epilogue (the 2-CTA cluster kernels: 16 bytes spilled with it).

@@ -43,7 +43,7 @@ struct WgradKind {
   using Problem = WgradProblemParams;
   using Params = WgradParams;
 
-  // bf16 output: the epilogue is deferred (consumer_warpgroup_deferred). A tile's result is
+  // bf16 output: the epilogue is deferred (consumer_warpgroup, kDeferredEpilogue). A tile's result is
   // rounded into 64 registers of bf16 pairs right after its K loop, and stored (staging +
   // TMA, with its barriers and waits) while the next tile's first wgmma batches run. At
   // DeepSeek-V3 sizes a tile has only 8 K steps, so the ~2k-cycle store epilogue was ~18 %
@@ -122,61 +122,60 @@ struct WgradKind {
   }
 
   // Accumulators start from the fp32 partial of an earlier call (exact reload) or zeros;
-  // coord_of(i) places fragment pair i (the kind's own fragment layout).
+  // coord_of(pr, i) places fragment pair i (the kind's own fragment layout). Without any
+  // partial in the launch (Seeded = false) they are plain zeros.
   // NOTE: accumulator registers are only written by predicated instructions, never under a
   // branch: a divergent definition makes ptxas serialise every wgmma (C7518).
   template <class Acc, class CoordOf>
-  __device__ static void seed_from_partial(const Problem& pr, Acc& acc, CoordOf coord_of) {
+  __device__ static void seed_acc(const Params& p, const KTile& t, Acc& acc, CoordOf coord_of) {
+    if constexpr (!Seeded) {
+#pragma unroll
+      for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
+      return;
+    }
+    const Problem& pr = problem(p, t);
     const float* partial = pr.partial_in;
     const bool any = partial != nullptr;
 #pragma unroll
     for (int i = 0; i < cute::size(acc); i += 2) {
-      const Coord c = coord_of(i);
+      const Coord c = coord_of(pr, i);
       ld_f2_pred(partial + c.offset, any && c.in, acc(i), acc(i + 1));
     }
   }
   template <class Acc>
   __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    if constexpr (Seeded) {
-      const Problem& pr = problem(p, t);
-      seed_from_partial(pr, acc, [&](int i) { return coord(pr, t, ctx, i); });
-    } else {
-#pragma unroll
-      for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
-    }
+    seed_acc(p, t, acc, [&](const Problem& pr, int i) { return coord(pr, t, ctx, i); });
   }
 
-  // The fp32 modes (the bf16 output goes through pack / store_packed).
+  // The fp32 modes (the bf16 output goes through pack / store_packed_half).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
     const Problem& pr = problem(p, t);
     static_assert(Mode != kWgradWriteBf16, "bf16 wgrad output is stored by the deferred epilogue");
-    {
-      // Chunks of 8 pairs: the loads of a chunk are issued together (the asm statements keep
-      // their order), so their latency overlaps instead of one round trip per pair.
-      float* out = static_cast<float*>(pr.out_ptr);
-      constexpr int kChunk = 8;
+    // Chunks of 8 pairs: the loads of a chunk are issued together (the asm statements keep
+    // their order), so their latency overlaps instead of one round trip per pair.
+    float* out = static_cast<float*>(pr.out_ptr);
+    constexpr int kChunk = 8;
 #pragma unroll
-      for (int i0 = 0; i0 < cute::size(acc); i0 += 2 * kChunk) {
-        float ox[kChunk], oy[kChunk];
-        if constexpr (Mode == kWgradAccumulateFp32) {
-#pragma unroll
-          for (int q = 0; q < kChunk; ++q) {
-            const Coord c = coord(pr, t, ctx, i0 + 2 * q);
-            ld_f2_pred(out + c.offset, c.in, ox[q], oy[q]);
-          }
-        }
+    for (int i0 = 0; i0 < cute::size(acc); i0 += 2 * kChunk) {
+      float ox[kChunk], oy[kChunk];
+      if constexpr (Mode == kWgradAccumulateFp32) {
 #pragma unroll
         for (int q = 0; q < kChunk; ++q) {
-          const int i = i0 + 2 * q;
-          const Coord c = coord(pr, t, ctx, i);
-          float x = acc(i), y = acc(i + 1);
-          if constexpr (Mode == kWgradAccumulateFp32) {
-            x = ox[q] + x;  // main_grad += dW: one fp32 add per element
-            y = oy[q] + y;
-          }
-          st_f2_pred(out + c.offset, c.in, x, y);
+          const Coord c = coord(pr, t, ctx, i0 + 2 * q);
+          ld_f2_pred(out + c.offset, c.in, ox[q], oy[q]);
         }
+      }
+#pragma unroll
+      for (int q = 0; q < kChunk; ++q) {
+        const int i = i0 + 2 * q;
+        const Coord c = coord(pr, t, ctx, i);
+        float x = acc(i), y = acc(i + 1);
+        if constexpr (Mode == kWgradAccumulateFp32) {
+          x = ox[q] + x;  // main_grad += dW: one fp32 add per element
+          y = oy[q] + y;
+        }
+        st_f2_pred(out + c.offset, c.in, x, y);
       }
     }
   }
@@ -234,13 +233,7 @@ struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1, Seeded> {
 
   template <class Acc>
   __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    if constexpr (Seeded) {
-      const Problem& pr = problem(p, t);
-      Base::seed_from_partial(pr, acc, [&](int v) { return coord(pr, t, ctx, v); });
-    } else {
-#pragma unroll
-      for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
-    }
+    Base::seed_acc(p, t, acc, [&](const Problem& pr, int v) { return coord(pr, t, ctx, v); });
   }
 
   template <class Acc>
