@@ -207,6 +207,23 @@ struct Bench {
         if (rows[e] > 0) cublas_tn(blas, rows[e], N, K, A + off[e] * K, B + e * N * K, C + off[e] * N);
     }, reps, stream);
   }
+  // cuBLAS per-expert loop for wgrad: out_e[M, N] = A_e^T . B_e over the segment's real rows
+  // (A_e [rows_e, M], B_e [rows_e, N], row-major), one cublasGemmEx per (problem, expert).
+  float wgrad_loop(const mok::gemm::WgradArgs& a) {
+    return median_ms([&] {
+      const float one = 1.0f, zero = 0.0f;
+      for (int q = 0; q < a.num_problems; ++q) {
+        const auto& pr = a.problems[q];
+        for (int e = 0; e < s.E; ++e) {
+          if (rows[e] == 0) continue;
+          bf16* out = static_cast<bf16*>(pr.out) + int64_t(e) * pr.m * pr.n;
+          CB(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(pr.n), int(pr.m), rows[e], &one, pr.b + off[e] * pr.n,
+                          CUDA_R_16BF, int(pr.n), pr.a + off[e] * pr.m, CUDA_R_16BF, int(pr.m), &zero, out,
+                          CUDA_R_16BF, int(pr.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }
+      }
+    }, reps, stream);
+  }
 };
 
 // Share of the row tiles' rows that are padding (tile FLOPs spent on zeros before the skip).
@@ -216,14 +233,39 @@ struct Bench {
 // first and last of each CTA.
 void trace_begin() {
   using namespace mok::gemm;
-  constexpr size_t n = size_t(kTraceCtas) * kTraceTiles * kTraceSlots;
+  constexpr size_t n = size_t(kTraceCtas) * kTraceTiles * kTraceSlots + size_t(kTraceMaxCtas) * kTraceCtaSlots;
   if (host::trace_buffer() == nullptr) host::trace_buffer() = dalloc<unsigned long long>(n);
   CK(cudaMemset(host::trace_buffer(), 0, n * 8));
 }
 void trace_report(const char* name) {
   using namespace mok::gemm;
-  std::vector<unsigned long long> t(size_t(kTraceCtas) * kTraceTiles * kTraceSlots);
+  std::vector<unsigned long long> t(size_t(kTraceCtas) * kTraceTiles * kTraceSlots + size_t(kTraceMaxCtas) * kTraceCtaSlots);
   CK(cudaMemcpy(t.data(), host::trace_buffer(), t.size() * 8, cudaMemcpyDeviceToHost));
+  // Per-CTA spans of the last launch: does the slowest CTA set the kernel's time?
+  {
+    const unsigned long long* c = t.data() + size_t(kTraceCtas) * kTraceTiles * kTraceSlots;
+    struct Cta { unsigned sm; double start, ns, cycles; unsigned long long tiles; };
+    std::vector<Cta> v;
+    for (int b = 0; b < kTraceMaxCtas; ++b) {
+      const unsigned long long* r = c + size_t(b) * kTraceCtaSlots;
+      if (r[1] == 0 || r[3] == 0) continue;
+      v.push_back({unsigned(r[0]), double(r[1]), double(r[3] - r[1]), double(r[4] - r[2]), r[5]});
+    }
+    if (!v.empty()) {
+      double t0 = v[0].start, t1 = 0, cyc = 0, ns = 0;
+      for (const auto& x : v) t0 = std::min(t0, x.start);
+      for (const auto& x : v) t1 = std::max(t1, x.start + x.ns), cyc += x.cycles, ns += x.ns;
+      std::vector<double> d;
+      for (const auto& x : v) d.push_back(x.ns);
+      std::sort(d.begin(), d.end());
+      std::printf("trace %-16s %zu CTAs: span %.3f ms; CTA busy min %.3f / median %.3f / max %.3f ms; SM clock %.2f GHz\n",
+                  name, v.size(), (t1 - t0) * 1e-6, d.front() * 1e-6, d[d.size() / 2] * 1e-6, d.back() * 1e-6, cyc / ns);
+      std::sort(v.begin(), v.end(), [](const Cta& a, const Cta& b) { return a.sm < b.sm; });
+      std::string line;
+      for (const auto& x : v) line += " " + std::to_string(x.sm) + ":" + std::to_string(int(x.ns * 1e-3)) + "/" + std::to_string(x.tiles);
+      std::printf("trace %-16s per SM (sm:us/tiles):%s\n", name, line.c_str());
+    }
+  }
   double sum[8] = {}, total = 0, k = 0;
   int count = 0, tiles = 0;
   for (int c = 0; c < kTraceCtas; ++c) {
@@ -375,7 +417,7 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
     const float ms = median_ms([&] { wgrad(a, L, stream); }, reps, stream);
     trace_report("wgrad");
     const float d = dense(H, I, M) + 2 * dense(I, H, M);
-    res.push_back({"wgrad", f, ms, d, 0});
+    res.push_back({"wgrad", f, ms, d, b.wgrad_loop(a)});
     res.push_back({"wgrad_cluster2", f, median_ms([&] { wgrad(a, b.launch(2), stream); }, reps, stream), d, 0});
     // fp32 main-grad accumulation (reads and writes E*3*H*I fp32: memory-bound at small rows/expert).
     float* mg = dalloc<float>(3 * E * H * I);

@@ -62,8 +62,16 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   (void)marks;
   [[maybe_unused]] PendingStore<Kind> pending;
   bool ok = true;
+  if (marks) {
+    MOK_GEMM_CTA_MARK(p.err, 0, smid());
+    MOK_GEMM_CTA_MARK(p.err, 1, global_timer_ns());
+    MOK_GEMM_CTA_MARK(p.err, 2, clock64());
+  }
+  int local_tiles = 0;
+  (void)local_tiles;
   auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank, seg);
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
+    local_tiles = local + 1;
     const int mark_tile = marks ? local : -1;
     (void)mark_tile;
     MOK_GEMM_MARK(p.err, mark_tile, 0, clock64());
@@ -113,6 +121,11 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     }
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();
+  if (marks) {
+    MOK_GEMM_CTA_MARK(p.err, 3, global_timer_ns());
+    MOK_GEMM_CTA_MARK(p.err, 4, clock64());
+    MOK_GEMM_CTA_MARK(p.err, 5, local_tiles);
+  }
 }
 
 // Ping-pong consumers (Cfg::kPingPong): warpgroup w takes the CTA's tiles 0+w, 2+w, ... (by

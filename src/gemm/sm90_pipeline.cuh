@@ -38,8 +38,24 @@ __device__ inline void trace_mark(const ErrorSink& e, int local_tile, int slot, 
   }
 }
 #define MOK_GEMM_MARK(err, tile, slot, value) ::mok::gemm::trace_mark((err), (tile), (slot), (value))
+// Per-CTA record after the per-tile slots (every CTA, up to kTraceMaxCtas): SM id, global
+// time and SM clock at the consumers' start and end, tiles run. It shows whether some SMs
+// finish later than others (a static tile list waits for the slowest CTA).
+inline constexpr int kTraceMaxCtas = 1024, kTraceCtaSlots = 6;
+__device__ inline unsigned smid() {
+  unsigned v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
+__device__ inline void trace_cta(const ErrorSink& e, int slot, unsigned long long v) {
+  if (e.trace != nullptr && blockIdx.x < kTraceMaxCtas) {
+    e.trace[size_t(kTraceCtas) * kTraceTiles * kTraceSlots + blockIdx.x * kTraceCtaSlots + slot] = v;
+  }
+}
+#define MOK_GEMM_CTA_MARK(err, slot, value) ::mok::gemm::trace_cta((err), (slot), (value))
 #else
 #define MOK_GEMM_MARK(err, tile, slot, value) ((void)0)
+#define MOK_GEMM_CTA_MARK(err, slot, value) ((void)0)
 #endif
 
 // NOTE: no printf here: any function call in the kernel makes ptxas serialise wgmma.
