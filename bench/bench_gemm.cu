@@ -7,6 +7,7 @@
 // random non-zero inputs. Usage: bench_gemm [--shape dsv3|qwen3|gptoss|all] [--reps N]
 //                                           [--json FILE] [--commit STR] [--quick] [--sweep]
 //                                           [--segments uniform,skewed,random]
+//                                           [--warm-ms MS (300; --quick 50)] [--series]
 // --sweep adds developer variants on dsv3 (cluster attribute, raster group sizes).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -21,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <random>
 #include <string>
@@ -122,23 +124,44 @@ std::vector<int> segment_rows(const ModelShape& s, SegMode mode) {
   return r;
 }
 
+// Steady state: the H200 lowers its SM clock under sustained tensor load (1.98 GHz idle, 1.3-1.6
+// GHz under these kernels), with a lag of tens of milliseconds, so a kernel timed right after a
+// lighter one runs faster than it would in a training step. Every measurement therefore first
+// runs its own kernel for g_warm_ms (after 2 warm-up launches), ours and cuBLAS alike.
+double g_warm_ms = 300.0;
+bool g_series = false;  // developer: print the launch times of the warm-up and the timed reps
+
 float median_ms(const std::function<void()>& fn, int reps, cudaStream_t stream) {
-  for (int i = 0; i < 2; ++i) fn();  // warm-up
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
+  auto timed = [&] {
     CK(cudaEventRecord(a, stream));
     fn();
     CK(cudaEventRecord(b, stream));
     CK(cudaEventSynchronize(b));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
+    return ms;
+  };
+  std::vector<float> warm;
+  double warm_total = 0;
+  for (int i = 0; i < 2 || warm_total < g_warm_ms; ++i) {
+    warm.push_back(timed());
+    warm_total += warm.back();
   }
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) t.push_back(timed());
   CK(cudaEventDestroy(a));
   CK(cudaEventDestroy(b));
+  if (g_series) {
+    std::string line;
+    const size_t step = std::max<size_t>(1, warm.size() / 12);
+    for (size_t i = 0; i < warm.size(); i += step) line += " " + std::to_string(warm[i]).substr(0, 6);
+    line += " |";
+    for (float v : t) line += " " + std::to_string(v).substr(0, 6);
+    std::printf("series (%zu warm-up launches, every %zu-th | timed):%s\n", warm.size(), step, line.c_str());
+  }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -447,17 +470,25 @@ double tflops(double f, float ms) { return ms > 0 ? f / (ms * 1e-3) / 1e12 : 0.0
 int main(int argc, char** argv) {
   std::string only = "all", json, commit = "unknown", segments = "uniform,skewed,random";
   int reps = 15;
-  bool sweep = false;
+  bool sweep = false, quick = false;
+  double warm_ms = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--shape" && i + 1 < argc) only = argv[++i];
     else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--commit" && i + 1 < argc) commit = argv[++i];
-    else if (a == "--quick") reps = 5;
+    else if (a == "--quick") reps = 5, quick = true;
+    else if (a == "--warm-ms" && i + 1 < argc) warm_ms = std::atof(argv[++i]);
+    else if (a == "--series") g_series = true;
     else if (a == "--sweep") sweep = true;
     else if (a == "--segments" && i + 1 < argc) segments = argv[++i];
+    else {
+      std::fprintf(stderr, "bench_gemm: unknown or incomplete argument '%s' (see the usage at the top of bench_gemm.cu)\n", a.c_str());
+      return 2;
+    }
   }
+  g_warm_ms = warm_ms >= 0 ? warm_ms : (quick ? 50.0 : 300.0);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
@@ -466,7 +497,10 @@ int main(int argc, char** argv) {
   CB(cublasCreate(&blas));
   CB(cublasSetStream(blas, stream));
 
-  std::string js = "{\"date\": \"2026-11-30\", \"commit\": \"" + commit + "\", \"gpu\": \"" + prop.name +
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  std::string js = "{\"date\": \"" + std::string(date) + "\", \"commit\": \"" + commit + "\", \"gpu\": \"" + prop.name +
                    "\", \"gpus\": 1, \"command\": \"";
   for (int i = 0; i < argc; ++i) js += std::string(i ? " " : "") + argv[i];
   js += "\", \"results\": [";
