@@ -22,6 +22,16 @@ constexpr bool deferred_epilogue() {
   }
 }
 
+// Store rounds of a deferred epilogue (Kind::kDeferredRounds, default 2: two 128-column halves).
+template <class Kind>
+constexpr int deferred_rounds() {
+  if constexpr (requires { Kind::kDeferredRounds; }) {
+    return Kind::kDeferredRounds;
+  } else {
+    return 2;
+  }
+}
+
 // A deferred epilogue's tile in waiting: its bf16 bits and where they go (empty for kinds
 // that store at once).
 template <class Kind, bool = deferred_epilogue<Kind>()>
@@ -40,7 +50,8 @@ struct PendingStore<Kind, true> {
 // Kinds with a deferred epilogue (Kind::kDeferredEpilogue) only round a finished tile into
 // registers (Kind::pack); its stores (staging, barriers, TMA) run inside the next tile's K
 // loop, after some of its batches (Params::defer_*), where they overlap the tensor cores; the
-// last tile is stored after the loop.
+// last tile is stored after the loop. A kind with three rounds (GEMM 1: g, u, h) places the
+// third after Params::defer_round2.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
                                    uint32_t seg, int cluster_id, int clusters, int rank) {
@@ -84,21 +95,25 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     // the previous tile's two store rounds and the next tile's coordinates each after their own
     // batch (Params::defer_*; batches 1, 3, 5 measured best of 0-1-2, 1-2-3, 1-2-4, 1-3-5,
     // 2-4-6), so each piece (~1k cycles) is covered by the batches in flight.
-    int round0_at = -2, next_at, round1_at = -2;
+    int round0_at = -2, next_at, round1_at = -2, round2_at = -2;
     if constexpr (kDeferred) {
       round0_at = hook_slot(p.defer_round0, k_steps);
       next_at = hook_slot(p.defer_next, k_steps);
       round1_at = hook_slot(p.defer_round1, k_steps);
+      if constexpr (deferred_rounds<Kind>() > 2) round2_at = hook_slot(p.defer_round2, k_steps);
     } else {
       next_at = hook_slot(1, k_steps);
     }
     auto during_k_loop = [&](int k) {
       if constexpr (kDeferred) {
-        if (pending.waiting && k == round0_at) Kind::template store_packed_half<0>(p, pending.where, ctx, pending.packed);
+        if (pending.waiting && k == round0_at) Kind::template store_packed_round<0>(p, pending.where, ctx, pending.packed);
       }
       if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank, seg);
       if constexpr (kDeferred) {
-        if (pending.waiting && k == round1_at) Kind::template store_packed_half<1>(p, pending.where, ctx, pending.packed);
+        if (pending.waiting && k == round1_at) Kind::template store_packed_round<1>(p, pending.where, ctx, pending.packed);
+        if constexpr (deferred_rounds<Kind>() > 2) {
+          if (pending.waiting && k == round2_at) Kind::template store_packed_round<2>(p, pending.where, ctx, pending.packed);
+        }
       }
     };
     ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
@@ -116,8 +131,9 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   }
   if constexpr (kDeferred) {
     if (ok && pending.waiting) {
-      Kind::template store_packed_half<0>(p, pending.where, ctx, pending.packed);
-      Kind::template store_packed_half<1>(p, pending.where, ctx, pending.packed);
+      Kind::template store_packed_round<0>(p, pending.where, ctx, pending.packed);
+      Kind::template store_packed_round<1>(p, pending.where, ctx, pending.packed);
+      if constexpr (deferred_rounds<Kind>() > 2) Kind::template store_packed_round<2>(p, pending.where, ctx, pending.packed);
     }
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();

@@ -77,6 +77,8 @@ struct Gemm1SwigluParams {
   int k_steps;                 // H / 64
   int inter;                   // I
   ErrorSink err;
+  // Deferred epilogue placement (the cluster-1 kernel): g, next tile, u, h after these batches.
+  int defer_round0 = 1, defer_next = 3, defer_round1 = 5, defer_round2 = 7;
 };
 
 template <int C>
@@ -126,6 +128,52 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     }
     store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h));
   }
+
+  // The standalone cluster-1 kernel defers the epilogue (consumer_warpgroup): the finished
+  // tile's rounded g and u wait in 64 registers of bf16 pairs (padding rows zero) and are
+  // stored in three rounds inside the next tile's K loop, g, u, then h = silu(g) * u computed
+  // there from the same rounded g, u: the bits of `epilogue` above (which the fused forward
+  // keeps), without the ~6k-cycle pause of the tensor cores per tile (docs/gemm.md).
+  static constexpr bool kDeferredEpilogue = C == 1;
+  static constexpr int kDeferredRounds = 3;
+  struct Packed {
+    uint32_t v[64];  // v[k] = g pair of fragment values (2k, 2k+1); v[32 + k] = the u pair
+  };
+  struct Pending {
+    int row0, n_tile, real_rows;
+  };
+  __device__ static Pending pending_of(const RowTile& t) { return {t.row0, t.n_tile, t.real_rows}; }
+  template <class Acc>
+  __device__ static void pack(const Params&, const RowTile& t, const EpiCtx& ctx, const Acc& acc, Packed& out) {
+    const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const bool real = k % 2 ? real1 : real0;  // fragment value 2k sits in row (2k / 2) % 2
+      out.v[k] = real ? pack_bf16x2(acc(2 * k), acc(2 * k + 1)) : 0u;
+      out.v[32 + k] = real ? pack_bf16x2(acc(2 * k + 64), acc(2 * k + 65)) : 0u;
+    }
+  }
+  // Round 0 stores g, 1 stores u, 2 computes and stores h.
+  template <int Round>
+  __device__ static void store_packed_round(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+    const CUtensorMap* map = Round == 0 ? &p.g : Round == 1 ? &p.u : &p.h;
+    const int col0 = 128 * t.n_tile;
+    const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+    store_round<0, Round>(
+        ctx,
+        [&](int i) {
+          if constexpr (Round < 2) {
+            return pk.v[32 * Round + i / 2];
+          } else {
+            const float2 g = unpack_bf16x2(pk.v[i / 2]);
+            const float2 u = unpack_bf16x2(pk.v[32 + i / 2]);
+            return ((i / 2) % 2 ? real1 : real0) ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
+          }
+        },
+        [&](uint8_t* box, int b) {
+          if (col0 + 64 * b < p.inter) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
+        });
+  }
 };
 
 // ---- GEMM 2 and dgrad of GEMM 1 (plain bf16 output, 128 x 256 tiles) --------------------
@@ -158,7 +206,7 @@ struct DeferredBf16x256 {
     for (int i = 0; i < 64; ++i) out.v[i] = (i % 2 ? real1 : real0) ? pack_bf16x2(acc(2 * i), acc(2 * i + 1)) : 0u;
   }
   template <int Half, class P>
-  __device__ static void store_packed_half(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+  __device__ static void store_packed_round(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Derived::out_map(p);
     const int col0 = 256 * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
     store_round<16 * Half, Half>(
