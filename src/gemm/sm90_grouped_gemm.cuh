@@ -9,6 +9,9 @@
 #include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include <type_traits>
+#include <utility>
+
 #include "gemm/sm90_roles.cuh"
 
 namespace mok::gemm {
@@ -22,11 +25,13 @@ constexpr bool deferred_epilogue() {
   }
 }
 
-// Store rounds of a deferred epilogue (Kind::kDeferredRounds, default 2: two 128-column halves).
+// A deferred epilogue is stored in pieces (Kind::kDeferredPieces, default 2: the two
+// 128-column store rounds), piece P by Kind::store_piece<P> after wgmma batch
+// Kind::piece_batch(p, P) of the next tile's K loop.
 template <class Kind>
-constexpr int deferred_rounds() {
-  if constexpr (requires { Kind::kDeferredRounds; }) {
-    return Kind::kDeferredRounds;
+constexpr int deferred_pieces() {
+  if constexpr (requires { Kind::kDeferredPieces; }) {
+    return Kind::kDeferredPieces;
   } else {
     return 2;
   }
@@ -50,8 +55,7 @@ struct PendingStore<Kind, true> {
 // Kinds with a deferred epilogue (Kind::kDeferredEpilogue) only round a finished tile into
 // registers (Kind::pack); its stores (staging, barriers, TMA) run inside the next tile's K
 // loop, after some of its batches (Params::defer_*), where they overlap the tensor cores; the
-// last tile is stored after the loop. A kind with three rounds (GEMM 1: g, u, h) places the
-// third after Params::defer_round2.
+// last tile is stored after the loop.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
                                    uint32_t seg, int cluster_id, int clusters, int rank) {
@@ -90,31 +94,34 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
     const int k_steps = Kind::k_steps(p, tile);
-    // The batches after which the hook's pieces run. The next tile's coordinates: after the
+    // The batches after which the hook's work runs. The next tile's coordinates: after the
     // second batch (two batches, ~2k cycles, cover their ~1-3k cycles). Deferred epilogues:
-    // the previous tile's two store rounds and the next tile's coordinates each after their own
-    // batch (Params::defer_*; batches 1, 3, 5 measured best of 0-1-2, 1-2-3, 1-2-4, 1-3-5,
-    // 2-4-6), so each piece (~1k cycles) is covered by the batches in flight.
-    int round0_at = -2, next_at, round1_at = -2, round2_at = -2;
+    // the previous tile's store pieces and the next tile's coordinates each after their own
+    // batch (Kind::piece_batch, Params::defer_*; for the two-round kinds batches 1, 3, 5
+    // measured best of 0-1-2, 1-2-3, 1-2-4, 1-3-5, 2-4-6), so each piece (~1k cycles) is
+    // covered by the batches in flight.
+    constexpr int kPieces = kDeferred ? deferred_pieces<Kind>() : 1;
+    int piece_slot[kPieces], next_at;
     if constexpr (kDeferred) {
-      round0_at = hook_slot(p.defer_round0, k_steps);
+      piece_slot[0] = hook_slot(Kind::piece_batch(p, 0), k_steps);
       next_at = hook_slot(p.defer_next, k_steps);
-      round1_at = hook_slot(p.defer_round1, k_steps);
-      if constexpr (deferred_rounds<Kind>() > 2) round2_at = hook_slot(p.defer_round2, k_steps);
+#pragma unroll
+      for (int q = 1; q < kPieces; ++q) piece_slot[q] = hook_slot(Kind::piece_batch(p, q), k_steps);
     } else {
       next_at = hook_slot(1, k_steps);
     }
+    // Piece P of the waiting tile, if batch k is its slot.
+    auto piece_at = [&]<int P>(std::integral_constant<int, P>, int k) {
+      if constexpr (kDeferred) {
+        if (pending.waiting && k == piece_slot[P]) Kind::template store_piece<P>(p, pending.where, ctx, pending.packed);
+      }
+    };
     auto during_k_loop = [&](int k) {
-      if constexpr (kDeferred) {
-        if (pending.waiting && k == round0_at) Kind::template store_packed_round<0>(p, pending.where, ctx, pending.packed);
-      }
+      piece_at(std::integral_constant<int, 0>{}, k);
       if (k == next_at && t + clusters < tiles) next = Kind::tile(p, sched, t + clusters, rank, seg);
-      if constexpr (kDeferred) {
-        if (pending.waiting && k == round1_at) Kind::template store_packed_round<1>(p, pending.where, ctx, pending.packed);
-        if constexpr (deferred_rounds<Kind>() > 2) {
-          if (pending.waiting && k == round2_at) Kind::template store_packed_round<2>(p, pending.where, ctx, pending.packed);
-        }
-      }
+      [&]<int... P>(std::integer_sequence<int, P...>) {
+        (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
+      }(std::make_integer_sequence<int, kPieces - 1>{});
     };
     ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
     if (!ok) break;
@@ -131,9 +138,9 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   }
   if constexpr (kDeferred) {
     if (ok && pending.waiting) {
-      Kind::template store_packed_round<0>(p, pending.where, ctx, pending.packed);
-      Kind::template store_packed_round<1>(p, pending.where, ctx, pending.packed);
-      if constexpr (deferred_rounds<Kind>() > 2) Kind::template store_packed_round<2>(p, pending.where, ctx, pending.packed);
+      [&]<int... P>(std::integer_sequence<int, P...>) {
+        (Kind::template store_piece<P>(p, pending.where, ctx, pending.packed), ...);
+      }(std::make_integer_sequence<int, deferred_pieces<Kind>()>{});
     }
   }
   if (ctx.tid == 0) tma_store_wait_all_complete();

@@ -77,8 +77,9 @@ struct Gemm1SwigluParams {
   int k_steps;                 // H / 64
   int inter;                   // I
   ErrorSink err;
-  // Deferred epilogue placement (the cluster-1 kernel): g, next tile, u, h after these batches.
-  int defer_round0 = 1, defer_next = 3, defer_round1 = 5, defer_round2 = 7;
+  // Deferred epilogue placement (the cluster-1 kernel): its six pieces after batches
+  // defer_first .. defer_first + 5, the next tile's coordinates after batch defer_next.
+  int defer_first = 1, defer_next = 7;
 };
 
 template <int C>
@@ -135,7 +136,9 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
   // there from the same rounded g, u: the bits of `epilogue` above (which the fused forward
   // keeps), without the ~6k-cycle pause of the tensor cores per tile (docs/gemm.md).
   static constexpr bool kDeferredEpilogue = C == 1;
-  static constexpr int kDeferredRounds = 3;
+  // Six pieces, half a store round each (~1k cycles, under the two wgmma batches in flight).
+  static constexpr int kDeferredPieces = 6;
+
   struct Packed {
     uint32_t v[64];  // v[k] = g pair of fragment values (2k, 2k+1); v[32 + k] = the u pair
   };
@@ -153,13 +156,18 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
       out.v[32 + k] = real ? pack_bf16x2(acc(2 * k + 64), acc(2 * k + 65)) : 0u;
     }
   }
-  // Round 0 stores g, 1 stores u, 2 computes and stores h.
-  template <int Round>
+  __device__ static int piece_batch(const Params& p, int piece) { return p.defer_first + piece; }
+  template <int P>
+  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+    store_packed_round<P / 2, 1 + P % 2>(p, t, ctx, pk);
+  }
+  // Round 0 stores g, 1 stores u, 2 computes and stores h (Part: store_round).
+  template <int Round, int Part>
   __device__ static void store_packed_round(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Round == 0 ? &p.g : Round == 1 ? &p.u : &p.h;
     const int col0 = 128 * t.n_tile;
     const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
-    store_round<0, Round>(
+    store_round<0, Round, Part>(
         ctx,
         [&](int i) {
           if constexpr (Round < 2) {
@@ -205,8 +213,10 @@ struct DeferredBf16x256 {
 #pragma unroll
     for (int i = 0; i < 64; ++i) out.v[i] = (i % 2 ? real1 : real0) ? pack_bf16x2(acc(2 * i), acc(2 * i + 1)) : 0u;
   }
+  template <class P>
+  __device__ static int piece_batch(const P& p, int piece) { return piece == 0 ? p.defer_round0 : p.defer_round1; }
   template <int Half, class P>
-  __device__ static void store_packed_round(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+  __device__ static void store_piece(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Derived::out_map(p);
     const int col0 = 256 * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
     store_round<16 * Half, Half>(

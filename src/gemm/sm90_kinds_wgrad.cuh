@@ -67,8 +67,9 @@ struct WgradKind {
     for (int i = 0; i < 64; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
   }
   // Columns [128 * Half, 128 * Half + 128) of the tile: one store round.
+  __device__ static int piece_batch(const Params& p, int piece) { return piece == 0 ? p.defer_round0 : p.defer_round1; }
   template <int Half>
-  __device__ static void store_packed_round(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const Problem& pr = p.problems[t.problem];
     const CUtensorMap* map = &pr.out;
     const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
@@ -147,7 +148,7 @@ struct WgradKind {
     seed_acc(p, t, acc, [&](const Problem& pr, int i) { return coord(pr, t, ctx, i); });
   }
 
-  // The fp32 modes (the bf16 output goes through pack / store_packed_round).
+  // The fp32 modes (the bf16 output goes through pack / store_piece).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
     const Problem& pr = problem(p, t);
