@@ -77,9 +77,9 @@ struct Gemm1SwigluParams {
   int k_steps;                 // H / 64
   int inter;                   // I
   ErrorSink err;
-  // Deferred epilogue placement (the cluster-1 kernel): its six pieces after batches
-  // defer_first .. defer_first + 5, the next tile's coordinates after batch defer_next.
-  int defer_first = 1, defer_next = 7;
+  // Deferred epilogue placement (the cluster-1 kernel): the g, u and h rounds and the next
+  // tile's coordinates after these batches.
+  int defer_round0 = 1, defer_next = 3, defer_round1 = 5, defer_round2 = 7;
 };
 
 template <int C>
@@ -136,8 +136,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
   // there from the same rounded g, u: the bits of `epilogue` above (which the fused forward
   // keeps), without the ~6k-cycle pause of the tensor cores per tile (docs/gemm.md).
   static constexpr bool kDeferredEpilogue = C == 1;
-  // Six pieces, half a store round each (~1k cycles, under the two wgmma batches in flight).
-  static constexpr int kDeferredPieces = 6;
+  static constexpr int kDeferredPieces = 3;  // the g, u and h rounds
 
   struct Packed {
     uint32_t v[64];  // v[k] = g pair of fragment values (2k, 2k+1); v[32 + k] = the u pair
@@ -156,18 +155,16 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
       out.v[32 + k] = real ? pack_bf16x2(acc(2 * k + 64), acc(2 * k + 65)) : 0u;
     }
   }
-  __device__ static int piece_batch(const Params& p, int piece) { return p.defer_first + piece; }
-  template <int P>
-  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
-    store_packed_round<P / 2, 1 + P % 2>(p, t, ctx, pk);
+  __device__ static int piece_batch(const Params& p, int piece) {
+    return piece == 0 ? p.defer_round0 : piece == 1 ? p.defer_round1 : p.defer_round2;
   }
-  // Round 0 stores g, 1 stores u, 2 computes and stores h (Part: store_round).
-  template <int Round, int Part>
-  __device__ static void store_packed_round(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+  // Round 0 stores g, 1 stores u, 2 computes and stores h.
+  template <int Round>
+  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Round == 0 ? &p.g : Round == 1 ? &p.u : &p.h;
     const int col0 = 128 * t.n_tile;
     const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
-    store_round<0, Round, Part>(
+    store_round<0, Round>(
         ctx,
         [&](int i) {
           if constexpr (Round < 2) {

@@ -280,22 +280,16 @@ __device__ inline uint32_t staged_offset(const EpiCtx& ctx, int jj, int v1) {
 // the previous round; with two the round before it, except in round 0, whose predecessor may
 // be the previous tile's last round in the same buffer (its stores finished during this
 // tile's K loop, so that wait costs nothing).
-// Part splits a round in two for a deferred epilogue (smaller pieces between wgmma batches):
-// 1 = wait for the buffer + the first 8 column blocks, 2 = the last 8 + fence + TMA issue;
-// 0 = the whole round.
-template <int J0, int Round, int Part = 0, class PairFn, class IssueFn>
+template <int J0, int Round, class PairFn, class IssueFn>
 __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue) {
   constexpr uint32_t kBufBytes = 2 * 64 * kBoxInner * 2;
   constexpr uint32_t kBuf = static_cast<uint32_t>(Round % kEpiBuffers);
   uint8_t* const stage = ctx.stage + kBuf * kBufBytes;
   const uint32_t stage_saddr = ctx.stage_saddr + kBuf * kBufBytes;
-  if constexpr (Part != 2) {
-    if (ctx.tid == 0) cute::tma_store_wait<(Round == 0 ? 0 : kEpiBuffers - 1)>();
-    named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
-  }
-  constexpr int kFirst = Part == 2 ? 8 : 0, kLast = Part == 1 ? 8 : 16;
+  if (ctx.tid == 0) cute::tma_store_wait<(Round == 0 ? 0 : kEpiBuffers - 1)>();
+  named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
 #pragma unroll
-  for (int jj = kFirst; jj < kLast; ++jj) {
+  for (int jj = 0; jj < 16; ++jj) {
 #pragma unroll
     for (int v1 = 0; v1 < 2; ++v1) {
       const int i = 4 * (J0 + jj) + 2 * v1;
@@ -303,14 +297,12 @@ __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(stage_saddr + staged_offset(ctx, jj, v1)), "r"(bits));
     }
   }
-  if constexpr (Part != 1) {
-    cute::tma_store_fence();  // make the generic-proxy smem writes visible to the TMA unit
-    named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
-    if (ctx.tid == 0) {
-      issue(stage, 0);
-      issue(stage + 8192, 1);
-      cute::tma_store_arrive();
-    }
+  cute::tma_store_fence();  // make the generic-proxy smem writes visible to the TMA unit
+  named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
+  if (ctx.tid == 0) {
+    issue(stage, 0);
+    issue(stage + 8192, 1);
+    cute::tma_store_arrive();
   }
 }
 
