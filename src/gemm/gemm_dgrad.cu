@@ -55,8 +55,6 @@ void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t str
   p.w_gate = host::map_bf16(a.w_gate, E, I, H, 64, 64, "w_gate");
   p.w_up = host::map_bf16(a.w_up, E, I, H, 64, 64, "w_up");
   p.dx = host::map_bf16(a.dx, 0, R, H, 64, 64, "dx");
-  p.out_ptr = reinterpret_cast<uint16_t*>(a.dx);
-  p.direct_store = std::getenv("MOK_GEMM_DIRECT_STORE") != nullptr;
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(2 * I / 64);
   p.hidden = static_cast<int>(H);

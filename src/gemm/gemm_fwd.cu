@@ -1,5 +1,4 @@
 // Forward launchers: GEMM 1 + SwiGLU and GEMM 2 (sm_90a).
-#include <cstdlib>
 #include "gemm/grouped_gemm.hpp"
 #include "gemm/sm90_kinds_rows.cuh"
 #include "gemm/sm90_launch.cuh"
@@ -40,8 +39,6 @@ void gemm2(const Gemm2Args& a, const Launch& launch, cudaStream_t stream) {
   p.h = host::map_bf16(a.h, 0, R, I, 64, 128, "h");
   p.w_down = host::map_bf16(a.w_down, E, H, I, 64, 128, "w_down");
   p.out = host::map_bf16(a.out, 0, R, H, 64, 64, "out");
-  p.out_ptr = reinterpret_cast<uint16_t*>(a.out);
-  p.direct_store = std::getenv("MOK_GEMM_DIRECT_STORE") != nullptr;
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(I / 64);
   p.hidden = static_cast<int>(H);

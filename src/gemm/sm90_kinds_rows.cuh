@@ -216,16 +216,6 @@ struct DeferredBf16x256 {
   __device__ static void store_piece(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Derived::out_map(p);
     const int col0 = 256 * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
-    if (p.direct_store) {  // EXPERIMENT: registers -> global, no staging
-      uint32_t* out = reinterpret_cast<uint32_t*>(p.out_ptr);
-#pragma unroll
-      for (int k = 32 * Half; k < 32 * Half + 32; ++k) {
-        const int col = 256 * t.n_tile + 8 * (k / 2) + 2 * (ctx.tid % 4);
-        const int64_t row = t.row0 + ctx.row_in_tile(k % 2);
-        if (col < cols) out[(row * cols + col) / 2] = pk.v[k];
-      }
-      return;
-    }
     store_round<16 * Half, Half>(
         ctx, [&](int i) { return pk.v[i / 2]; },
         [&](uint8_t* box, int b) {
@@ -243,8 +233,6 @@ struct Gemm2Params {
   int hidden;
   ErrorSink err;
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5;  // deferred epilogue placement
-  uint16_t* out_ptr = nullptr;
-  int direct_store = 0;
 };
 
 template <int C>
@@ -282,8 +270,6 @@ struct DgradInputParams {
   int hidden;
   ErrorSink err;
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5;  // deferred epilogue placement
-  uint16_t* out_ptr = nullptr;
-  int direct_store = 0;
 };
 
 template <int C>
