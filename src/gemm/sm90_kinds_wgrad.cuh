@@ -66,8 +66,8 @@ struct WgradKind {
 #pragma unroll
     for (int i = 0; i < 64; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
   }
-  // Columns [128 * Half, 128 * Half + 128) of the tile: one store round.
   __device__ static int piece_batch(const Params& p, int piece) { return piece == 0 ? p.defer_round0 : p.defer_round1; }
+  // Columns [128 * Half, 128 * Half + 128) of the tile: one store round.
   template <int Half>
   __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const Problem& pr = p.problems[t.problem];
