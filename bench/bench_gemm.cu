@@ -267,12 +267,12 @@ void trace_report(const char* name) {
   // Per-CTA spans of the last launch: does the slowest CTA set the kernel's time?
   {
     const unsigned long long* c = t.data() + size_t(kTraceCtas) * kTraceTiles * kTraceSlots;
-    struct Cta { unsigned sm; double start, ns, cycles; unsigned long long tiles; };
+    struct Cta { int block; unsigned sm; double start, ns, cycles; unsigned long long tiles; };
     std::vector<Cta> v;
     for (int b = 0; b < kTraceMaxCtas; ++b) {
       const unsigned long long* r = c + size_t(b) * kTraceCtaSlots;
       if (r[1] == 0 || r[3] == 0) continue;
-      v.push_back({unsigned(r[0]), double(r[1]), double(r[3] - r[1]), double(r[4] - r[2]), r[5]});
+      v.push_back({b, unsigned(r[0]), double(r[1]), double(r[3] - r[1]), double(r[4] - r[2]), r[5]});
     }
     if (!v.empty()) {
       double t0 = v[0].start, t1 = 0, cyc = 0, ns = 0;
@@ -283,10 +283,13 @@ void trace_report(const char* name) {
       std::sort(d.begin(), d.end());
       std::printf("trace %-16s %zu CTAs: span %.3f ms; CTA busy min %.3f / median %.3f / max %.3f ms; SM clock %.2f GHz\n",
                   name, v.size(), (t1 - t0) * 1e-6, d.front() * 1e-6, d[d.size() / 2] * 1e-6, d.back() * 1e-6, cyc / ns);
-      std::sort(v.begin(), v.end(), [](const Cta& a, const Cta& b) { return a.sm < b.sm; });
+      // In block order: which SM each block landed on, when it started (us after the first)
+      // and how long it ran (us).
       std::string line;
-      for (const auto& x : v) line += " " + std::to_string(x.sm) + ":" + std::to_string(int(x.ns * 1e-3)) + "/" + std::to_string(x.tiles);
-      std::printf("trace %-16s per SM (sm:us/tiles):%s\n", name, line.c_str());
+      for (const auto& x : v)
+        line += " " + std::to_string(x.block) + ":" + std::to_string(x.sm) + ":" + std::to_string(int((x.start - t0) * 1e-3)) +
+                ":" + std::to_string(int(x.ns * 1e-3));
+      std::printf("trace %-16s per CTA (block:sm:start us:busy us):%s\n", name, line.c_str());
     }
   }
   double sum[8] = {}, total = 0, k = 0;
