@@ -226,15 +226,7 @@ __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / kWarpGroupThreads;
   const int rank = C > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
-#ifdef MOK_GEMM_SPREAD
-  // EXPERIMENT: even blocks take list positions 0.., odd blocks the rest, so consecutive tiles
-  // (which share their B tile) run on different TPCs (the block scheduler places block pairs on
-  // one TPC) and spread over more GPCs.
-  const int b = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
-  const int cluster_id = C == 1 ? (b % 2 == 0 ? b / 2 : (g + 1) / 2 + b / 2) : b / C, clusters = g / C;
-#else
   const int cluster_id = blockIdx.x / C, clusters = gridDim.x / C;
-#endif
 
   if (threadIdx.x == 0) {
     ss->bars.init(empty_barrier_arrivals<Cfg>());
