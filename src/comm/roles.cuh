@@ -101,19 +101,27 @@ struct RowCopy {
   int4* dst = nullptr;        // nullptr: nothing to do
 };
 
+// The load phase of the warp row copies: vectors base + 32u (u < V) of every job's source row
+// into v (zeros past the row's end and for rows without a source).
+template <int R, int V, class Job, class Load>
+__device__ __forceinline__ void load_row_vectors(int4 (&v)[R][V], const Job (&job)[R], int64_t base, int64_t vecs,
+                                                 Load load) {
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      v[q][u] = make_int4(0, 0, 0, 0);
+      if (job[q].src != nullptr && base + u * 32 < vecs) v[q][u] = load(job[q].src + base + u * 32);
+    }
+  }
+}
+
 // One warp copies up to R rows of `vecs` vectors at once (loads of every row, then the stores).
 template <int R, int V, class Load>
 __device__ __forceinline__ void warp_copy_rows(const RowCopy (&job)[R], int64_t vecs, int lane, Load load) {
   for (int64_t base = lane; base < vecs; base += 32 * V) {
     int4 v[R][V];
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        v[q][u] = make_int4(0, 0, 0, 0);
-        if (job[q].src != nullptr && base + u * 32 < vecs) v[q][u] = load(job[q].src + base + u * 32);
-      }
-    }
+    load_row_vectors(v, job, base, vecs, load);
 #pragma unroll
     for (int q = 0; q < R; ++q) {
 #pragma unroll
@@ -343,14 +351,7 @@ __device__ __forceinline__ void warp_fanout_rows(const FanRow (&job)[R], char* b
   for (int64_t base0 = 0; base0 < vecs; base0 += 32 * V) {
     const int64_t base = base0 + lane;
     int4 v[R][V];
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        v[q][u] = make_int4(0, 0, 0, 0);
-        if (job[q].src != nullptr && base + u * 32 < vecs) v[q][u] = load(job[q].src + base + u * 32);
-      }
-    }
+    load_row_vectors(v, job, base, vecs, load);
 #pragma unroll
     for (int q = 0; q < R; ++q) {
       for (uint32_t m = job[q].mask; m != 0; m &= m - 1) {  // warp-uniform
