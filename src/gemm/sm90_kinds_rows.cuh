@@ -104,6 +104,11 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
                   t.expert, mask);
     });
   }
+  // h for one bf16 pair of rounded g and the matching pair of u (padding rows give zeros).
+  __device__ static uint32_t h_pair(uint32_t g_bits, uint32_t u_bits, bool real) {
+    const float2 g = unpack_bf16x2(g_bits), u = unpack_bf16x2(u_bits);
+    return real ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
+  }
   template <class Acc>
   __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
     // Three rounds over the same 64 x 128 block: g (values i, i+1), u (i+64, i+65), then
@@ -123,9 +128,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     store_round<0, 1>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, issue(&p.u));
 #pragma unroll
     for (int i = 0; i < 64; i += 2) {
-      const float2 g = unpack_bf16x2(pack_bf16x2(acc(i), acc(i + 1)));
-      const float2 u = unpack_bf16x2(pack_bf16x2(acc(i + 64), acc(i + 65)));
-      acc(i) = __uint_as_float(real(i) ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u);
+      acc(i) = __uint_as_float(h_pair(pack_bf16x2(acc(i), acc(i + 1)), pack_bf16x2(acc(i + 64), acc(i + 65)), real(i)));
     }
     store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h));
   }
@@ -170,9 +173,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
           if constexpr (Round < 2) {
             return pk.v[32 * Round + i / 2];
           } else {
-            const float2 g = unpack_bf16x2(pk.v[i / 2]);
-            const float2 u = unpack_bf16x2(pk.v[32 + i / 2]);
-            return ((i / 2) % 2 ? real1 : real0) ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
+            return h_pair(pk.v[i / 2], pk.v[32 + i / 2], (i / 2) % 2 ? real1 : real0);
           }
         },
         [&](uint8_t* box, int b) {
