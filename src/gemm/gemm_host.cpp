@@ -2,6 +2,8 @@
 
 #include <cudaTypedefs.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "mok/error.hpp"
@@ -98,5 +100,10 @@ int resolve_grid(const Launch& launch) {
 }
 
 uint64_t timeout_ns(const Launch& launch) { return static_cast<uint64_t>(launch.timeout_s * 1e9); }
+
+bool expert_raster_groups() {
+  const char* r = std::getenv("MOK_GEMM_RASTER");
+  return r != nullptr && std::strcmp(r, "expert") == 0;
+}
 
 }  // namespace mok::gemm::host

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "gemm/gemm_host.hpp"
@@ -61,11 +60,7 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   const char* g = std::getenv("MOK_GEMM_GROUP_M");
   s.group_m = g != nullptr && std::atoi(g) > 0 ? std::atoi(g) : group_m;
   s.cluster = 1;  // set by the launcher
-  // Developer knob (A/B measurement): MOK_GEMM_RASTER=expert keeps raster groups inside one
-  // expert. Measured no faster on routed segments and 7 % slower on GEMM 2 with uniform ones
-  // (docs/gemm.md), so groups of global row tiles stay the default.
-  const char* r = std::getenv("MOK_GEMM_RASTER");
-  s.expert_groups = r != nullptr && std::strcmp(r, "expert") == 0;
+  s.expert_groups = expert_raster_groups();
   return s;
 }
 

@@ -175,9 +175,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.tasks.n2 = static_cast<int>(ceil_div(H, 256));
   p.tasks.tiles_per_minibatch = static_cast<int>(state.view().minibatch / kRowTile);
   p.tasks.group_m = gemm::kGroupM;
-  // Developer knob (A/B measurement), as for the standalone GEMMs: MOK_GEMM_RASTER=expert.
-  const char* raster = std::getenv("MOK_GEMM_RASTER");
-  p.tasks.expert_groups = raster != nullptr && std::strcmp(raster, "expert") == 0;
+  p.tasks.expert_groups = gemm::host::expert_raster_groups();  // developer knob, as for the standalone GEMMs
   p.shared_tokens = static_cast<int>(s.tokens);
   p.experts = static_cast<int>(E);
   const int64_t shared_tiles = b.shared_rows / kRowTile, routed_tiles = R / kRowTile;
