@@ -23,7 +23,7 @@ build() {
   local NV="/usr/local/cuda/bin/nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -lineinfo -Xptxas=--warn-on-spills -Xcompiler=-Wall -Iinclude -Isrc -Itests -Ibench -I$CUT ${GEMM_FLAGS:-}"
   compile() {  # source object [extra flags]
     if [ ! -f "$2" ] || [ -n "$(find "$1" src/gemm include/mok -newer "$2" 2>/dev/null | head -1)" ]; then
-      echo "nvcc $1"; $NV ${3:-} -c "$1" -o "$2" 2>&1 | tee "$2.log" | grep -E "error|warning|C7510|C7515|C7518|spill" || true
+      echo "nvcc $1"; rm -f "$2"; $NV ${3:-} -c "$1" -o "$2" 2>&1 | tee "$2.log" | grep -E "error|warning|C7510|C7515|C7518|spill" || true
       [ -f "$2" ] || { cat "$2.log"; return 1; }
     fi
   }

@@ -101,6 +101,17 @@ int resolve_grid(const Launch& launch) {
 
 uint64_t timeout_ns(const Launch& launch) { return static_cast<uint64_t>(launch.timeout_s * 1e9); }
 
+int defer_wg1_shift() {
+  const char* v = std::getenv("MOK_GEMM_DEFER_STAGGER");
+  if (v == nullptr) return kDeferWg1Shift;
+  char* end = nullptr;
+  const long shift = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || shift < 0 || shift > 64) {
+    throw_invalid("MOK_GEMM_DEFER_STAGGER", "a batch count in [0, 64]", v);
+  }
+  return static_cast<int>(shift);
+}
+
 bool expert_raster_groups() {
   const char* r = std::getenv("MOK_GEMM_RASTER");
   return r != nullptr && std::strcmp(r, "expert") == 0;

@@ -80,6 +80,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
       throw_invalid("MOK_GEMM_WGRAD_DEFER", "three batch indices \"r0,next,r1\"", d);
     }
   }
+  p.defer_wg1_shift = host::defer_wg1_shift();
   Launch l = launch;
   // The host knows the tile count: no more CTAs than tiles.
   l.grid = static_cast<int>(std::min<int64_t>(host::resolve_grid(launch), tiles));

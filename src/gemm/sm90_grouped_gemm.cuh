@@ -76,6 +76,11 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   const bool marks = ctx.wg == 0 && ctx.tid == 0;
   (void)marks;
   [[maybe_unused]] PendingStore<Kind> pending;
+  // Warpgroup 1 may store its deferred pieces some batches after warpgroup 0
+  // (Params::defer_wg1_shift), so the two never pause their wgmma issue together. Made
+  // warp-uniform through a shuffle: a threadIdx-derived value near wgmma serialises it.
+  [[maybe_unused]] int wg1_shift = 0;
+  if constexpr (kDeferred) wg1_shift = __shfl_sync(0xffffffffu, ctx.wg == 1 ? p.defer_wg1_shift : 0, 0);
   bool ok = true;
   if (marks) {
     MOK_GEMM_CTA_MARK(p.err, 0, smid());
@@ -103,10 +108,10 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     constexpr int kPieces = kDeferred ? deferred_pieces<Kind>() : 1;
     int piece_slot[kPieces], next_at;
     if constexpr (kDeferred) {
-      piece_slot[0] = hook_slot(Kind::piece_batch(p, 0), k_steps);
+      piece_slot[0] = hook_slot(Kind::piece_batch(p, 0) + wg1_shift, k_steps);
       next_at = hook_slot(p.defer_next, k_steps);
 #pragma unroll
-      for (int q = 1; q < kPieces; ++q) piece_slot[q] = hook_slot(Kind::piece_batch(p, q), k_steps);
+      for (int q = 1; q < kPieces; ++q) piece_slot[q] = hook_slot(Kind::piece_batch(p, q) + wg1_shift, k_steps);
     } else {
       next_at = hook_slot(1, k_steps);
     }

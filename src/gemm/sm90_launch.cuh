@@ -84,6 +84,7 @@ inline void check_row_problem(const Segments& seg, const Launch& launch, int64_t
 template <template <int> class Kind, class Params>
 void launch_row_kind(Params& p, const Launch& launch, cudaStream_t stream) {
   p.err = error_sink(launch);
+  if constexpr (requires { p.defer_wg1_shift; }) p.defer_wg1_shift = defer_wg1_shift();
   with_cluster(launch, [&](auto c) {
     p.sched.cluster = c;
     launch_kind<Kind<c>>(p, launch, stream);
