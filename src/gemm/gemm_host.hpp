@@ -42,7 +42,7 @@ uint64_t timeout_ns(const Launch& launch);
 bool expert_raster_groups();
 // Deferred epilogues: consumer warpgroup 1 stores its pieces this many wgmma batches after
 // warpgroup 0 (Params::defer_wg1_shift). Developer knob MOK_GEMM_DEFER_STAGGER overrides it.
-constexpr int kDeferWg1Shift = 0;
+constexpr int kDeferWg1Shift = 2;
 int defer_wg1_shift();
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
 
