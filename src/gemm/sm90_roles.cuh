@@ -288,25 +288,6 @@ __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue
   const uint32_t stage_saddr = ctx.stage_saddr + kBuf * kBufBytes;
   if (ctx.tid == 0) cute::tma_store_wait<(Round == 0 ? 0 : kEpiBuffers - 1)>();
   named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
-#if MOK_GEMM_STSM
-  // stmatrix.x4: matrices (jj, rows 0-7), (jj, rows 8-15), (jj+1, 0-7), (jj+1, 8-15) of the
-  // warp's 16 rows; the accumulator fragment is stmatrix's register layout, so register r of
-  // each thread is pair(4 * (J0 + jj) + 2 * r). Lane l gives the address of row l % 8 of
-  // matrix l / 8 (each row is one 16-byte swizzle chunk: conflict-free, as the st.shared path).
-  {
-    const int lane = ctx.tid % 32, m = lane / 8, rr = lane % 8;
-    const uint32_t row_addr = stage_saddr + static_cast<uint32_t>(16 * (ctx.tid / 32) + 8 * (m % 2) + rr) * 128;
-#pragma unroll
-    for (int jj = 0; jj < 16; jj += 2) {
-      const int i0 = 4 * (J0 + jj);
-      const uint32_t r0 = pair(i0), r1 = pair(i0 + 2), r2 = pair(i0 + 4), r3 = pair(i0 + 6);
-      const int jm = jj + m / 2;  // fragment block of the matrix this lane addresses
-      const uint32_t addr = row_addr + static_cast<uint32_t>((jm / 8) * 8192 + (((jm % 8) ^ rr) << 4));
-      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
-                   "r"(r2), "r"(r3));
-    }
-  }
-#else
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
 #pragma unroll
@@ -316,7 +297,6 @@ __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(stage_saddr + staged_offset(ctx, jj, v1)), "r"(bits));
     }
   }
-#endif
   cute::tma_store_fence();  // make the generic-proxy smem writes visible to the TMA unit
   named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
   if (ctx.tid == 0) {
