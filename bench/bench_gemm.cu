@@ -292,7 +292,7 @@ void trace_report(const char* name) {
       std::printf("trace %-16s per CTA (block:sm:start us:busy us):%s\n", name, line.c_str());
     }
   }
-  double sum[8] = {}, total = 0, k = 0;
+  double sum[10] = {}, total = 0, k = 0;
   int count = 0, tiles = 0;
   for (int c = 0; c < kTraceCtas; ++c) {
     auto at = [&](int i, int slot) { return double(t[(size_t(c) * kTraceTiles + i) * kTraceSlots + slot]); };
@@ -307,6 +307,9 @@ void trace_report(const char* name) {
       sum[4] += at(i + 1, 0) - at(i, 4);  // to the next tile
       sum[5] += at(i, 6) - at(i, 5);      // producer: tile start to last stage issued
       sum[6] += at(i, 2) - at(i, 6);      // first stage acquired minus producer done (negative: producer ahead)
+      sum[7] += at(i, 8) - at(i, 5);      // producer: the tile's coordinates
+      sum[8] += at(i, 9) - at(i, 8);      // producer: wait for the first free slot + issue
+      sum[9] += at(i, 2) - at(i, 9);      // first stage: producer issue -> consumer acquired
       total += at(i + 1, 0) - at(i, 0);
       k += at(i, 7);
       ++count;
@@ -318,6 +321,9 @@ void trace_report(const char* name) {
               "K loop %7.0f + epilogue %6.0f + next %5.0f (ideal K loop 1024/step: %7.0f); producer issue span %7.0f\n",
               name, double(tiles) / kTraceCtas, k / count, tile, sum[0] / count, sum[1] / count, sum[2] / count,
               sum[3] / count, sum[4] / count, 1024.0 * k / count, sum[5] / count);
+  std::printf("trace %-16s producer per tile: coordinates %6.0f, first slot + issue %6.0f; first stage issued -> "
+              "acquired by the consumer %6.0f cycles\n",
+              name, sum[7] / count, sum[8] / count, sum[9] / count);
 }
 #else
 void trace_begin() {}

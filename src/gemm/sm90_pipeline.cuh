@@ -28,8 +28,9 @@ struct ErrorSink {
 // boundaries of each of their tiles (consumer warpgroup 0 and the producer), so a benchmark
 // can tell where a tile's time goes. Slots per tile: 0 consumer tile start, 1 seed done,
 // 2 first stage acquired, 3 K loop done, 4 epilogue done, 5 producer tile start, 6 producer
-// issued the last stage, 7 K steps. Without the macro every mark compiles to nothing.
-inline constexpr int kTraceCtas = 8, kTraceTiles = 4096, kTraceSlots = 8;
+// issued the last stage, 7 K steps, 8 producer has the tile's coordinates, 9 producer issued
+// the first stage. Without the macro every mark compiles to nothing.
+inline constexpr int kTraceCtas = 8, kTraceTiles = 4096, kTraceSlots = 10;
 #ifdef MOK_GEMM_TRACE
 __device__ inline void trace_mark(const ErrorSink& e, int local_tile, int slot, long long v) {
   if (e.trace != nullptr && blockIdx.x < kTraceCtas && local_tile >= 0 && local_tile < kTraceTiles) {

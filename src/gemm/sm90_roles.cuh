@@ -116,6 +116,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
     MOK_GEMM_MARK(p.err, local, 7, k_steps);
+    MOK_GEMM_MARK(p.err, local, 8, clock64());
     (void)local;
     for (int k = 0; k < k_steps; ++k) {
       // With clusters the stage is free only once the consumers of every CTA released it
@@ -124,6 +125,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
                                                                      Cfg::kStageBytes);
       Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
+      if (k == 0) MOK_GEMM_MARK(p.err, local, 9, clock64());
       st.advance();
     }
     MOK_GEMM_MARK(p.err, local, 6, clock64());
