@@ -22,10 +22,7 @@ struct RowKindBase {
   using Cfg = CfgT;
   // Tile coordinates read the global offsets: the shared-memory copy (SegOffsets) measured
   // no gain for the row kinds (GEMM 2 -1.7 %, dx +2 % / -2 %, within noise; docs/gemm.md).
-#ifndef MOK_GEMM_ROW_SEGTABLE
-#define MOK_GEMM_ROW_SEGTABLE 0
-#endif
-  static constexpr bool kSegTable = MOK_GEMM_ROW_SEGTABLE;  // experiment flag (docs/gemm.md)
+  static constexpr bool kSegTable = false;
   template <class P>
   __device__ static RowScheduler scheduler(const P& p) { return p.sched; }
   template <class P>

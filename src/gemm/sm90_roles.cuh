@@ -110,27 +110,14 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
   PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released: the first round does not wait
   const int tiles = sched.num_tiles();
-#if MOK_GEMM_PRODUCER_AHEAD
-  // The next tile's coordinates (~2.5k cycles of dependent loads, trace) are computed after
-  // the current tile's first stage was issued, while the ring still holds that tile's
-  // stages, instead of between the last stage of one tile and the first of the next.
-  auto tile = Kind::tile(p, sched, cluster_id < tiles ? cluster_id : 0, rank, seg);
-#endif
   for (int t = cluster_id, local = 0; t < tiles; t += clusters, ++local) {
     MOK_GEMM_MARK(p.err, local, 5, clock64());
-#if !MOK_GEMM_PRODUCER_AHEAD
     const auto tile = Kind::tile(p, sched, t, rank, seg);
-#endif
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
     MOK_GEMM_MARK(p.err, local, 7, k_steps);
     MOK_GEMM_MARK(p.err, local, 8, clock64());
     (void)local;
-#if MOK_GEMM_PRODUCER_AHEAD
-    auto next = tile;
-    const bool has_next = t + clusters < tiles;
-    if (k_steps <= 0 && has_next) next = Kind::tile(p, sched, t + clusters, rank, seg);
-#endif
     for (int k = 0; k < k_steps; ++k) {
       // With clusters the stage is free only once the consumers of every CTA released it
       // (our multicast writes into the peers' copies of the stage).
@@ -140,14 +127,8 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
       if (k == 0) MOK_GEMM_MARK(p.err, local, 9, clock64());
       st.advance();
-#if MOK_GEMM_PRODUCER_AHEAD
-      if (k == 0 && has_next) next = Kind::tile(p, sched, t + clusters, rank, seg);
-#endif
     }
     MOK_GEMM_MARK(p.err, local, 6, clock64());
-#if MOK_GEMM_PRODUCER_AHEAD
-    tile = next;
-#endif
   }
 }
 
