@@ -30,6 +30,11 @@ inline constexpr int kEpiBuffers = MOK_GEMM_EPI_BUFFERS;
 static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue staging buffers");
 inline constexpr int kPipeStages = kEpiBuffers == 2 ? 3 : 4;  // the kinds' TileConfig stages
 
+// Deferred epilogues (standalone cluster-1 kernels): consumer warpgroup 1 stores its pieces
+// this many wgmma batches after warpgroup 0, so the two do not pause their wgmma issue at the
+// same time (measured +0.5-2 % in steady state, docs/gemm.md). Knob: MOK_GEMM_DEFER_STAGGER.
+inline constexpr int kDeferWg1Shift = 2;
+
 // One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
 // bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
 // each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "gemm/gemm_config.hpp"
 #include "gemm/grouped_gemm.hpp"
 
 namespace mok::gemm::host {
@@ -40,9 +41,9 @@ uint64_t timeout_ns(const Launch& launch);
 // segments and 7 % slower on GEMM 2 with uniform ones (docs/gemm.md), so groups of global row
 // tiles stay the default.
 bool expert_raster_groups();
-// Deferred epilogues: consumer warpgroup 1 stores its pieces this many wgmma batches after
-// warpgroup 0 (Params::defer_wg1_shift). Developer knob MOK_GEMM_DEFER_STAGGER overrides it.
-constexpr int kDeferWg1Shift = 2;
+// Params::defer_wg1_shift of the deferred epilogues: kDeferWg1Shift (gemm_config.hpp), or the
+// developer knob MOK_GEMM_DEFER_STAGGER=<batches in [0, 64]> (anything else throws
+// kInvalidArgument naming the knob).
 int defer_wg1_shift();
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
 

@@ -29,7 +29,7 @@ struct WgradParams {
   // Deferred bf16 epilogue: after which wgmma batch of the next tile's K loop the previous
   // tile's store rounds 0 and 1 and the next tile's coordinates run (hook_slot).
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5;
-  int defer_wg1_shift = 0;  // consumer warpgroup 1's pieces this many batches later
+  int defer_wg1_shift = kDeferWg1Shift;  // warpgroup 1's pieces this many batches later
 };
 
 // The output mode is a template parameter: a runtime branch around the accumulator reads
