@@ -8,11 +8,13 @@
 //                        the token rows, mok's grouped GEMMs, permute, all-to-all back, mok's top-k sum
 //   cublas_dense_tflops  one cuBLAS bf16 GEMM of the same FLOPs ([M, 3I] x [3I, H])
 // useful TFLOP/s = (2*3*H*I*T*K + 2*3*H*I_sh*T) per rank / time. Every iteration starts on all
-// ranks together (host barrier); CUDA events; median of --iters after --warmup; the slowest
-// rank's median is reported. Uniform random routing, random non-zero data. Bitwise checks at
+// ranks together (host barrier); CUDA events; median of --iters after --warmup and then
+// --warm-ms (default 300) of the same op, so ours and cuBLAS are both timed in the steady state
+// of the power-capped GPU (0: the cold timing of the earlier runs); the slowest rank's median is
+// reported. Uniform random routing, random non-zero data. Bitwise checks at
 // full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
 //
-//   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3]
+//   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1]
 //                 [--out bench/results/2026-11-30-forward.json]
 //
@@ -58,6 +60,7 @@ struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
   std::vector<int> comm{8, 16, 24, 32};
   int iters = 10, warmup = 3, ep = 0;
+  double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   bool plain = false, tiles = false, token_major = false;
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
@@ -80,6 +83,7 @@ Options parse(int argc, char** argv) {
       for (const auto& c : split(v)) o.comm.push_back(std::stoi(c));
     } else if (k == "--iters") o.iters = std::stoi(v);
     else if (k == "--warmup") o.warmup = std::stoi(v);
+    else if (k == "--warm-ms") o.warm_ms = std::stod(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
@@ -422,7 +426,8 @@ int main(int argc, char** argv) {
     std::printf("%-7s %5d %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.1f %6s %6s\n", o.shapes[i].c_str(), best_comm, best,
                 flops / best / 1e9, staged, gemms, best / gemms, base, cublas_tf, fs ? "yes" : "NO", bf ? "yes" : "NO");
     results << (i ? ",\n  " : "") << "{\"bench\": \"forward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
-            << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"metrics\": {"
+            << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"warm_ms\": " << fmt(o.warm_ms)
+            << ", \"metrics\": {"
             << "\"fwd_ms\": " << fmt(best) << ", \"fwd_tflops\": " << fmt(flops / best / 1e9)
             << ", \"gemms_alone_ms\": " << fmt(gemms) << ", \"unfused_baseline_ms\": " << fmt(base)
             << ", \"cublas_dense_tflops\": " << fmt(cublas_tf) << ", \"staged_fwd_ms\": " << fmt(staged)
