@@ -15,6 +15,7 @@
 // full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
 //
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
+//                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1]
 //                 [--out bench/results/2026-11-30-forward.json]
 //
@@ -61,6 +62,7 @@ struct Options {
   std::vector<int> comm{8, 16, 24, 32};
   int iters = 10, warmup = 3, ep = 0;
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
+  int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false;
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
@@ -84,6 +86,7 @@ Options parse(int argc, char** argv) {
     } else if (k == "--iters") o.iters = std::stoi(v);
     else if (k == "--warmup") o.warmup = std::stoi(v);
     else if (k == "--warm-ms") o.warm_ms = std::stod(v);
+    else if (k == "--minibatch") o.minibatch = std::stoll(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
@@ -229,7 +232,8 @@ struct RankResult {
 RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
                      bootstrap::LocalRank& lr, std::barrier<>& sync) {
   RankResult res;
-  Config cfg;  // capacity 2.0, default minibatch
+  Config cfg;  // capacity 2.0
+  cfg.minibatch = o.minibatch;  // 0: the automatic minibatch
   auto ws = Workspace::create(s, cfg, lr.comm, lr.device);
   Workspace::Impl& impl = ws->impl();
   comm::CommState& state = *impl.state;
@@ -427,6 +431,7 @@ int main(int argc, char** argv) {
                 flops / best / 1e9, staged, gemms, best / gemms, base, cublas_tf, fs ? "yes" : "NO", bf ? "yes" : "NO");
     results << (i ? ",\n  " : "") << "{\"bench\": \"forward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
             << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"warm_ms\": " << fmt(o.warm_ms)
+            << ", \"minibatch\": " << [&] { Config c; c.minibatch = o.minibatch; return c.effective_minibatch(s); }()
             << ", \"metrics\": {"
             << "\"fwd_ms\": " << fmt(best) << ", \"fwd_tflops\": " << fmt(flops / best / 1e9)
             << ", \"gemms_alone_ms\": " << fmt(gemms) << ", \"unfused_baseline_ms\": " << fmt(base)
