@@ -108,10 +108,9 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     constexpr int kPieces = kDeferred ? deferred_pieces<Kind>() : 1;
     int piece_slot[kPieces], next_at;
     if constexpr (kDeferred) {
-      piece_slot[0] = hook_slot(Kind::piece_batch(p, 0) + wg1_shift, k_steps);
-      next_at = hook_slot(p.defer_next, k_steps);
 #pragma unroll
-      for (int q = 1; q < kPieces; ++q) piece_slot[q] = hook_slot(Kind::piece_batch(p, q) + wg1_shift, k_steps);
+      for (int q = 0; q < kPieces; ++q) piece_slot[q] = hook_slot(Kind::piece_batch(p, q) + wg1_shift, k_steps);
+      next_at = hook_slot(p.defer_next, k_steps);
     } else {
       next_at = hook_slot(1, k_steps);
     }
