@@ -112,9 +112,11 @@ int defer_wg1_shift() {
   return static_cast<int>(shift);
 }
 
-bool expert_raster_groups() {
-  const char* r = std::getenv("MOK_GEMM_RASTER");
-  return r != nullptr && std::strcmp(r, "expert") == 0;
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
 }
+
+bool expert_raster_groups() { return env_is("MOK_GEMM_RASTER", "expert"); }
 
 }  // namespace mok::gemm::host

@@ -36,6 +36,8 @@ inline unsigned long long*& trace_buffer() {
 
 int resolve_grid(const Launch& launch);  // launch.grid or the SM count of the current device
 uint64_t timeout_ns(const Launch& launch);
+// Whether environment variable `name` is set to exactly `value` (the developer on/off knobs).
+bool env_is(const char* name, const char* value);
 // Developer knob (A/B measurement), read by the standalone row GEMMs and the fused forward:
 // MOK_GEMM_RASTER=expert keeps raster groups inside one expert. Measured no faster on routed
 // segments and 7 % slower on GEMM 2 with uniform ones (docs/gemm.md), so groups of global row

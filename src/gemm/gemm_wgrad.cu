@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "gemm/grouped_gemm.hpp"
@@ -38,8 +37,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   // Developer knob (A/B measurement, docs/gemm.md): MOK_GEMM_WGRAD_PINGPONG=1 runs bf16 output
   // on ping-pong consumers with 128 x 128 tiles (WgradPingPongKind); by default, and for the fp32
   // modes always, the cooperative 128 x 256 kernel runs.
-  const char* pp_env = std::getenv("MOK_GEMM_WGRAD_PINGPONG");
-  const bool pingpong = a.mode == WgradOut::kWriteBf16 && pp_env != nullptr && std::strcmp(pp_env, "1") == 0;
+  const bool pingpong = a.mode == WgradOut::kWriteBf16 && host::env_is("MOK_GEMM_WGRAD_PINGPONG", "1");
   const int tile_n = pingpong ? WgradPingPongKind<false>::kTileN : 256;
   WgradParams p{};
   p.sched.offsets = a.seg.offsets;
@@ -89,8 +87,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   p.sched.cluster = 1;
   // Developer knob (A/B measurement): MOK_GEMM_WGRAD_SEEDED=1 runs the seeding kernel even
   // when no problem has a partial (the only kernel before 2026-11-30; same bits).
-  const char* seed_env = std::getenv("MOK_GEMM_WGRAD_SEEDED");
-  bool seeded = seed_env != nullptr && std::strcmp(seed_env, "1") == 0;
+  bool seeded = host::env_is("MOK_GEMM_WGRAD_SEEDED", "1");
   for (int q = 0; q < a.num_problems; ++q) seeded = seeded || a.problems[q].partial_in != nullptr;
   if (pingpong) {
     if (seeded) host::launch_kind<WgradPingPongKind<true>>(p, l, stream);

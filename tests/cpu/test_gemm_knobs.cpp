@@ -56,6 +56,21 @@ TEST(GemmKnobs, DeferStaggerRejectsMalformedValues) {
   }
 }
 
+TEST(GemmKnobs, EnvIsMatchesExactly) {
+  {
+    ScopedEnv env("MOK_GEMM_TEST_FLAG", nullptr);
+    EXPECT_FALSE(mok::gemm::host::env_is("MOK_GEMM_TEST_FLAG", "1"));
+  }
+  {
+    ScopedEnv env("MOK_GEMM_TEST_FLAG", "1");
+    EXPECT_TRUE(mok::gemm::host::env_is("MOK_GEMM_TEST_FLAG", "1"));
+  }
+  for (const char* other : {"", "0", "10", "1 "}) {
+    ScopedEnv env("MOK_GEMM_TEST_FLAG", other);
+    EXPECT_FALSE(mok::gemm::host::env_is("MOK_GEMM_TEST_FLAG", "1")) << "'" << other << "'";
+  }
+}
+
 TEST(GemmKnobs, RasterKnob) {
   {
     ScopedEnv env("MOK_GEMM_RASTER", nullptr);
