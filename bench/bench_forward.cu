@@ -225,6 +225,7 @@ struct RankResult {
   std::map<int, double> fused_tiles_ms;  // in-place combine by row tiles per CTA (--tiles 1)
   std::map<int, double> fused_token_major_ms;  // token-major dispatch + gathering GEMM 1 (--token-major 1)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
+  int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
   int64_t variants_vs_fused = 0;  // mismatching elements of y over every --plain / --tiles pass
 };
@@ -237,6 +238,7 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   auto ws = Workspace::create(s, cfg, lr.comm, lr.device);
   Workspace::Impl& impl = ws->impl();
   comm::CommState& state = *impl.state;
+  res.minibatch = state.view().minibatch;
   megakernel::ForwardBuffers& buf = *impl.forward;
   cudaStream_t st;
   MOK_CUDA_CHECK(cudaStreamCreate(&st));
@@ -431,7 +433,7 @@ int main(int argc, char** argv) {
                 flops / best / 1e9, staged, gemms, best / gemms, base, cublas_tf, fs ? "yes" : "NO", bf ? "yes" : "NO");
     results << (i ? ",\n  " : "") << "{\"bench\": \"forward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
             << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"warm_ms\": " << fmt(o.warm_ms)
-            << ", \"minibatch\": " << [&] { Config c; c.minibatch = o.minibatch; return c.effective_minibatch(s); }()
+            << ", \"minibatch\": " << res[i][0].minibatch
             << ", \"metrics\": {"
             << "\"fwd_ms\": " << fmt(best) << ", \"fwd_tflops\": " << fmt(flops / best / 1e9)
             << ", \"gemms_alone_ms\": " << fmt(gemms) << ", \"unfused_baseline_ms\": " << fmt(base)
