@@ -17,7 +17,7 @@
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1]
-//                 [--out bench/results/2026-11-30-forward.json]
+//                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
 // into every slot) at each comm count: fwd_plain_ms (the layer before the dedup fan-out and the
@@ -66,6 +66,7 @@ struct Options {
   bool plain = false, tiles = false, token_major = false;
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
+  std::string trace;  // --trace PREFIX: after each comm count's timing, one more pass written to PREFIX-<shape>-c<C>-r<rank>.bin
 };
 
 std::vector<std::string> split(const std::string& v) {
@@ -93,10 +94,15 @@ Options parse(int argc, char** argv) {
     else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
     else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
     else if (k == "--out") o.out = v;
+    else if (k == "--trace") o.trace = v;
     else {
       std::fprintf(stderr, "bench_forward: unknown option %s\n", k.c_str());
       std::exit(2);
     }
+  }
+  if (!o.trace.empty() && !megakernel::forward_trace_enabled()) {
+    std::fprintf(stderr, "bench_forward: --trace needs a build with -DMOK_FORWARD_TRACE=ON (cmake option)\n");
+    std::exit(2);
   }
   return o;
 }
@@ -230,8 +236,8 @@ struct RankResult {
   int64_t variants_vs_fused = 0;  // mismatching elements of y over every --plain / --tiles pass
 };
 
-RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
-                     bootstrap::LocalRank& lr, std::barrier<>& sync) {
+RankResult run_shape(const Options& o, const std::string& name, const LayerShape& s,
+                     const std::vector<std::vector<int32_t>>& routing, bootstrap::LocalRank& lr, std::barrier<>& sync) {
   RankResult res;
   Config cfg;  // capacity 2.0
   cfg.minibatch = o.minibatch;  // 0: the automatic minibatch
@@ -290,6 +296,15 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
       impl.last_stream = st;
       ws->check();
       if (&m != &modes[0]) res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+      if (&m == &modes[0] && !o.trace.empty()) {  // one more pass, right after the timed ones (steady state)
+        MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+        sync.arrive_and_wait();
+        schedule(*ws, L.topk_idx.get(), st);
+        megakernel::fused_forward(state, buf, args, w, fo, st);
+        ws->check();
+        megakernel::forward_trace_dump(o.trace + "-" + name + "-c" + std::to_string(c) + "-r" +
+                                       std::to_string(lr.rank) + ".bin");
+      }
     }
   }
 
@@ -372,7 +387,7 @@ int main(int argc, char** argv) {
   std::vector<int> devices(ep);
   for (int i = 0; i < ep; ++i) devices[i] = i;
   bootstrap::run_local_ranks(devices, [&](bootstrap::LocalRank& lr) {
-    for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, shapes[i], routings[i], lr, sync);
+    for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, o.shapes[i], shapes[i], routings[i], lr, sync);
   });
 
   std::ostringstream results;

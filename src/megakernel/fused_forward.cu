@@ -1,9 +1,11 @@
 // The fused forward kernel (entry: role dispatch only) and its host launcher.
 #include "megakernel/fused_forward.hpp"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "comm/barrier.cuh"
 #include "comm/cuda_check.hpp"
@@ -21,11 +23,16 @@ namespace {
 // every row. A failed barrier (timeout, recorded) skips the role; waiters give up at once.
 __device__ void comm_cta(const FusedForwardParams& p, int cta) {
   const uint32_t n = static_cast<uint32_t>(p.comm_ctas);
+  MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommStart);)
   if (group_barrier_all(p.dispatch_start, n, p.dispatch.peers, p.wait)) {
+    MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier1);)
     dispatch_rows_pull<FusedCta::kWarps>(p.dispatch, cta, static_cast<int>(n));
   }
+  MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(n));
+  MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommCombineEnd);)
   group_barrier_all(p.combine_done, n, p.combine.peers, p.wait);
+  MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier2);)
 }
 
 // GEMM CTAs: warpgroup 0 produces, 1-2 consume (as the standalone GEMM kernel). Each role is
@@ -211,7 +218,80 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   return p;
 }
 
+// ---- developer trace (-DMOK_FORWARD_TRACE, forward_trace.cuh) ---------------------------------
+#ifdef MOK_FORWARD_TRACE
+// Per host thread (bench_forward runs one rank per thread): the buffers of the current device
+// and the events around the last pass's phases.
+struct TraceState {
+  int device = -1, grid = 0, comm_ctas = 0;
+  uint64_t* comm = nullptr;
+  uint64_t* gemm = nullptr;
+  size_t comm_words = 0, gemm_words = 0;
+  cudaEvent_t ev[4] = {};
+  bool recorded = false;
+};
+thread_local TraceState g_trace;
+
+trace::Sink trace_begin(int grid, int comm_ctas, cudaStream_t stream) {
+  TraceState& t = g_trace;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  if (t.device != device) {
+    const int sms = device_limits().sms;
+    t.comm_words = static_cast<size_t>(sms) * trace::kCommFields;
+    t.gemm_words = static_cast<size_t>(sms) * trace::kMaxTasks * trace::kTaskFields;
+    MOK_CUDA_CHECK(cudaMalloc(&t.comm, t.comm_words * 8));
+    MOK_CUDA_CHECK(cudaMalloc(&t.gemm, t.gemm_words * 8));
+    for (cudaEvent_t& e : t.ev) MOK_CUDA_CHECK(cudaEventCreate(&e));
+    t.device = device;
+  }
+  t.grid = grid;
+  t.comm_ctas = comm_ctas;
+  t.recorded = true;
+  MOK_CUDA_CHECK(cudaMemsetAsync(t.comm, 0, t.comm_words * 8, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(t.gemm, 0, t.gemm_words * 8, stream));
+  MOK_CUDA_CHECK(cudaEventRecord(t.ev[0], stream));
+  return trace::Sink{t.comm, t.gemm + 0};
+}
+void trace_event(int i, cudaStream_t stream) { MOK_CUDA_CHECK(cudaEventRecord(g_trace.ev[i], stream)); }
+#endif
+
 }  // namespace
+
+bool forward_trace_enabled() {
+#ifdef MOK_FORWARD_TRACE
+  return true;
+#else
+  return false;
+#endif
+}
+
+void forward_trace_dump(const std::string& path) {
+#ifdef MOK_FORWARD_TRACE
+  TraceState& t = g_trace;
+  if (!t.recorded) throw_invalid("forward_trace_dump", "a fused_forward() call on this thread first", "none");
+  MOK_CUDA_CHECK(cudaEventSynchronize(t.ev[3]));
+  std::vector<uint64_t> comm(t.comm_words), gemm(t.gemm_words);
+  MOK_CUDA_CHECK(cudaMemcpy(comm.data(), t.comm, comm.size() * 8, cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaMemcpy(gemm.data(), t.gemm, gemm.size() * 8, cudaMemcpyDeviceToHost));
+  float ms[3] = {};
+  for (int i = 0; i < 3; ++i) MOK_CUDA_CHECK(cudaEventElapsedTime(&ms[i], t.ev[i], t.ev[i + 1]));
+  // Header: magic, version, grid, comm CTAs, max tasks, comm fields, task fields, then the
+  // host-event phases in ns: before the kernel (segments, x staging, memsets), the kernel,
+  // after it (top-k sum epilogue, poison check).
+  const int64_t header[10] = {0x52544457464b4f4dLL, 1, t.grid, t.comm_ctas, trace::kMaxTasks, trace::kCommFields,
+                              trace::kTaskFields, int64_t(ms[0] * 1e6), int64_t(ms[1] * 1e6), int64_t(ms[2] * 1e6)};
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) throw_invalid("forward_trace_dump path", "a writable file", path);
+  std::fwrite(header, sizeof(header), 1, f);
+  std::fwrite(comm.data(), 8, static_cast<size_t>(t.comm_ctas) * trace::kCommFields, f);
+  std::fwrite(gemm.data(), 8, static_cast<size_t>(t.grid - t.comm_ctas) * trace::kMaxTasks * trace::kTaskFields, f);
+  const bool ok = std::fclose(f) == 0;
+  if (!ok) throw_invalid("forward_trace_dump path", "a writable file", path);
+#else
+  throw_invalid("forward_trace_dump", "a build with -DMOK_FORWARD_TRACE (cmake -DMOK_FORWARD_TRACE=ON)", path);
+#endif
+}
 
 ForwardPath forward_path_from_env() {
   const char* v = std::getenv("MOK_FORWARD_PATH");
@@ -226,19 +306,23 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
                    const FusedForwardOptions& o, cudaStream_t stream) {
   const int grid = resolve_grid(o);
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
+  MOK_FWD_TRACE(const trace::Sink sink = trace_begin(grid, o.comm_ctas, stream);)
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
   convert_segments(state, b, stream);
   state.stage_x(args.x, stream);
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
-  const FusedForwardParams p = make_params(state, b, args, w, o);
+  FusedForwardParams p = make_params(state, b, args, w, o);
+  MOK_FWD_TRACE(p.trace = sink; trace_event(1, stream);)
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
+  MOK_FWD_TRACE(trace_event(2, stream);)
   const LayerShape& s = state.shape();
   state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
                  o.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
   poison_y_on_error(state, args.y, stream);
+  MOK_FWD_TRACE(trace_event(3, stream);)
 }
 
 }  // namespace mok::megakernel

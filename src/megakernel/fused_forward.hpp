@@ -12,6 +12,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "comm/comm_state.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
@@ -44,5 +46,13 @@ struct FusedForwardOptions {
 // Throws mok::Error for a grid that cannot be co-resident (grid > SMs, or no GEMM CTA left).
 void fused_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
                    const ExpertWeights& weights, const FusedForwardOptions& options, cudaStream_t stream);
+
+// Developer trace (docs/megakernel.md, "Where the fused forward's time goes"): in a build with
+// -DMOK_FORWARD_TRACE (cmake -DMOK_FORWARD_TRACE=ON) every fused_forward() records per-CTA
+// phase stamps; forward_trace_dump writes the last pass of this host thread to `path` (format:
+// forward_trace.cuh, reader: scripts/forward_trace.py). Other builds: enabled() is false and
+// dump throws kInvalidArgument.
+bool forward_trace_enabled();
+void forward_trace_dump(const std::string& path);
 
 }  // namespace mok::megakernel

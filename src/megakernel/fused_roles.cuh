@@ -21,6 +21,7 @@
 #include "comm/roles.cuh"
 #include "comm/wait.cuh"
 #include "gemm/sm90_kinds_rows.cuh"
+#include "megakernel/forward_trace.cuh"
 #include "megakernel/task_list.cuh"
 
 namespace mok::megakernel {
@@ -75,6 +76,7 @@ struct FusedForwardParams {
   comm::WaitContext wait;
   int comm_ctas = 0;
   GatherParams gather;
+  MOK_FWD_TRACE(trace::Sink trace;)
 };
 
 // ---- tiles ----------------------------------------------------------------------------------
@@ -166,7 +168,10 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
   for (int i = cta; i < n; i += ctas) {
     const Task t = list.at(i);
     const gemm::RowTile tile = tile_of(p, t);
+    MOK_FWD_TRACE(const int j = (i - cta) / ctas; trace::task_stamp(p.trace, cta, j, trace::kTaskWaitBegin);)
     wait_for_inputs(p, t);
+    MOK_FWD_TRACE(trace::task_stamp(p.trace, cta, j, trace::kTaskWaitEnd);
+                  trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);)
     const bool ok = is_gemm1(t.kind) ? produce_tile<G1Kind>(gemm1_params(p, t.kind), tile, ss, st)
                                      : produce_tile<G2Kind>(gemm2_params(p, t.kind), tile, ss, st);
     if (!ok) return;
@@ -258,7 +263,13 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
   for (int i = cta; i < n; i += ctas) {
     const Task t = list.at(i);
     const gemm::RowTile tile = tile_of(p, t);
+    MOK_FWD_TRACE(const int j = (i - cta) / ctas;
+                  if (threadIdx.x == 0) trace::task_stamp(p.trace, cta, j, trace::kTaskWaitBegin);)
     if (lane == 0) wait_for_inputs(p, t);
+    MOK_FWD_TRACE(if (threadIdx.x == 0) {
+      trace::task_stamp(p.trace, cta, j, trace::kTaskWaitEnd);
+      trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);
+    })
     __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' row reads after it
     const bool g1 = is_gemm1(t.kind);
     const bool gather = t.kind == TaskKind::kGemm1;
@@ -371,6 +382,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   for (int i = cta; i < n; i += ctas) {
     const Task t = list.at(i);
     const gemm::RowTile tile = tile_of(p, t);
+    MOK_FWD_TRACE(const int j = (i - cta) / ctas; const bool stamp = ctid == 0;
+                  if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskTileBegin);)
     const bool g1 = is_gemm1(t.kind);
     const gemm::Gemm1SwigluParams& p1 = gemm1_params(p, t.kind);
     const gemm::Gemm2Params& p2 = gemm2_params(p, t.kind);
@@ -381,11 +394,13 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
+    MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskMainloopEnd);)
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
       if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
       else pending.rotate<kGemm2StoreGroups>(done_counter(p, t));
     }
+    MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskEpilogueEnd);)
   }
   if (ctx.tid == 0) {
     gemm::tma_store_wait_all_complete();

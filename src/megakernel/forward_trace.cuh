@@ -1,0 +1,63 @@
+// Developer trace of the fused forward (build with -DMOK_FORWARD_TRACE; the product build
+// compiles none of it: MOK_FWD_TRACE(...) expands to nothing). Every CTA writes %globaltimer
+// stamps (ns, one clock for all SMs) of its phases into a device buffer that
+// megakernel::forward_trace_dump() writes to a file after the pass; scripts/forward_trace.py
+// reads it. Layout (uint64 words), for a grid of G CTAs of which C communicate:
+//   comm CTA c:       comm[c * kCommFields + f], f = CommField
+//   GEMM CTA g, task j of its own (task g + j * (G - C) of the list):
+//                     gemm[(g * kMaxTasks + j) * kTaskFields + f], f = TaskField
+// The stamps are taken by one thread per role (producer thread, thread 0 of consumer
+// warpgroup 0, thread 0 of a comm CTA); globaltimer ticks in ~32 ns steps on H100/H200, enough
+// for tiles of 10-100 us.
+#pragma once
+
+#include <cstdint>
+
+#ifdef MOK_FORWARD_TRACE
+#define MOK_FWD_TRACE(...) __VA_ARGS__
+#else
+#define MOK_FWD_TRACE(...)
+#endif
+
+namespace mok::megakernel::trace {
+
+enum CommField : int { kCommStart, kCommBarrier1, kCommDispatchEnd, kCommCombineEnd, kCommBarrier2, kCommFields };
+enum TaskField : int {
+  kTaskWaitBegin,    // producer: before waiting for the task's inputs
+  kTaskWaitEnd,      // producer: inputs complete (acquired)
+  kTaskTileBegin,    // consumer warpgroup 0: before seed (the previous tile's epilogue is done)
+  kTaskMainloopEnd,  // consumer warpgroup 0: K loop done (it includes the wait for the first stage)
+  kTaskEpilogueEnd,  // consumer warpgroup 0: stores issued, previous tile published
+  kTaskDesc,         // kind | minibatch << 8 | n_tile << 24 | row_tile << 40
+  kTaskFields
+};
+inline constexpr int kMaxTasks = 1024;  // per GEMM CTA; tasks beyond are not recorded
+
+struct Sink {
+  uint64_t* comm = nullptr;
+  uint64_t* gemm = nullptr;
+};
+
+#if defined(MOK_FORWARD_TRACE) && defined(__CUDACC__)
+__device__ __forceinline__ uint64_t now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void comm_stamp(const Sink& s, int cta, CommField f) {
+  if (threadIdx.x == 0) s.comm[cta * kCommFields + f] = now();
+}
+__device__ __forceinline__ void task_stamp(const Sink& s, int cta, int j, TaskField f) {
+  if (j < kMaxTasks) s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + f] = now();
+}
+__device__ __forceinline__ void task_desc(const Sink& s, int cta, int j, int kind, int minibatch, int n_tile,
+                                          int row_tile) {
+  if (j < kMaxTasks) {
+    s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + kTaskDesc] =
+        static_cast<uint64_t>(kind) | static_cast<uint64_t>(minibatch) << 8 | static_cast<uint64_t>(n_tile) << 24 |
+        static_cast<uint64_t>(row_tile) << 40;
+  }
+}
+#endif
+
+}  // namespace mok::megakernel::trace
