@@ -116,6 +116,46 @@ __device__ __forceinline__ const gemm::Gemm2Params& gemm2_params(const FusedForw
 
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// ---- task hand-off: producer -> consumers -------------------------------------------------
+// Finding a task's tile (the task list position, then the expert of its row tile: a search
+// over the segment table in global memory) is a chain of dependent loads: ~1.3-1.6 us per task
+// when the consumers did it themselves at every tile boundary (trace build, docs/megakernel.md,
+// seventh session). The producer already knows the tile, ahead of the consumers: it writes it
+// into the slot of the task's FIRST stage before that stage's arrive (mbarrier arrive releases
+// at CTA scope), and the consumers read it after their wait on that stage (acquire). So every
+// task has a first stage: a task without K steps sends one stage without loads.
+struct TaskSlot {
+  Task task;
+  gemm::RowTile tile;
+  int k_steps;
+};
+// The slots live in the barrier block's segment-table space (SharedStorage::seg_offsets): the
+// fused kernel reads the segment table from global memory and never caches it there, and its
+// shared memory is at the 227 KiB limit.
+static_assert(sizeof(TaskSlot) * Cfg::kStages <= sizeof(gemm::SharedStorage<Cfg>::seg_offsets),
+              "one task slot per stage must fit in the barrier block");
+__device__ __forceinline__ TaskSlot* task_slots(gemm::SharedStorage<Cfg>& ss) {
+  return reinterpret_cast<TaskSlot*>(ss.seg_offsets);
+}
+// A slot as the consumers use it: every field from lane 0. NOTE: values loaded from shared
+// memory are not provably warp-uniform, and branches on them around the K loop make ptxas
+// serialise every wgmma (C7518); shuffled from one lane they are uniform.
+__device__ __forceinline__ TaskSlot read_task_slot(const TaskSlot& in) {
+  auto u = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+  TaskSlot s;
+  s.task = Task{static_cast<TaskKind>(u(static_cast<int>(in.task.kind))), u(in.task.row_tile), u(in.task.n_tile),
+                u(in.task.minibatch)};
+  s.tile.expert = u(in.tile.expert);
+  s.tile.row0 = u(in.tile.row0);
+  s.tile.real_rows = u(in.tile.real_rows);
+  s.tile.n_tile = u(in.tile.n_tile);
+  s.tile.phantom = u(in.tile.phantom) != 0;
+  s.tile.shared_b = u(in.tile.shared_b) != 0;
+  s.tile.any_real = u(in.tile.any_real) != 0;
+  s.k_steps = u(in.k_steps);
+  return s;
+}
+
 // ---- producer -------------------------------------------------------------------------------
 
 // Waits (one thread) until the task's input rows exist. A timed-out wait is already in the
@@ -147,17 +187,32 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
 }
 
 // All K stages of one tile into the ring (the loop body of gemm::tma_producer).
+// The slot goes with the first stage (see TaskSlot); a task without K steps sends one stage
+// without loads.
 template <class Kind>
-__device__ inline bool produce_tile(const typename Kind::Params& p, const gemm::RowTile& tile,
+__device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSlot& slot,
                                     gemm::SharedStorage<Cfg>& ss, gemm::PipeState<Cfg::kStages>& st) {
-  const int k_steps = Kind::k_steps(p, tile);
-  for (int k = 0; k < k_steps; ++k) {
+  for (int k = 0; k < max(slot.k_steps, 1); ++k) {
     if (!gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return false;
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index], Cfg::kStageBytes);
-    Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], 0);
+    if (k == 0) task_slots(ss)[st.index] = slot;
+    if (slot.k_steps == 0) {
+      cutlass::arch::ClusterBarrier::arrive(&ss.bars.full[st.index]);
+    } else {
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index], Cfg::kStageBytes);
+      Kind::load_stage(p, slot.tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], 0);
+    }
     st.advance();
   }
   return true;
+}
+
+__device__ inline TaskSlot task_slot(const FusedForwardParams& p, const Task& t) {
+  TaskSlot s;
+  s.task = t;
+  s.tile = tile_of(p, t);
+  s.k_steps = is_gemm1(t.kind) ? G1Kind::k_steps(gemm1_params(p, t.kind), s.tile)
+                               : G2Kind::k_steps(gemm2_params(p, t.kind), s.tile);
+  return s;
 }
 
 __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
@@ -167,13 +222,13 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList
   const int n = list.size();
   for (int i = cta; i < n; i += ctas) {
     const Task t = list.at(i);
-    const gemm::RowTile tile = tile_of(p, t);
+    const TaskSlot slot = task_slot(p, t);
     MOK_FWD_TRACE(const int j = (i - cta) / ctas; trace::task_stamp(p.trace, cta, j, trace::kTaskWaitBegin);)
     wait_for_inputs(p, t);
     MOK_FWD_TRACE(trace::task_stamp(p.trace, cta, j, trace::kTaskWaitEnd);
                   trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);)
-    const bool ok = is_gemm1(t.kind) ? produce_tile<G1Kind>(gemm1_params(p, t.kind), tile, ss, st)
-                                     : produce_tile<G2Kind>(gemm2_params(p, t.kind), tile, ss, st);
+    const bool ok = is_gemm1(t.kind) ? produce_tile<G1Kind>(gemm1_params(p, t.kind), slot, ss, st)
+                                     : produce_tile<G2Kind>(gemm2_params(p, t.kind), slot, ss, st);
     if (!ok) return;
   }
 }
@@ -262,7 +317,8 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
   const int n = list.size();
   for (int i = cta; i < n; i += ctas) {
     const Task t = list.at(i);
-    const gemm::RowTile tile = tile_of(p, t);
+    const TaskSlot slot = task_slot(p, t);
+    const gemm::RowTile& tile = slot.tile;
     MOK_FWD_TRACE(const int j = (i - cta) / ctas;
                   if (threadIdx.x == 0) trace::task_stamp(p.trace, cta, j, trace::kTaskWaitBegin);)
     if (lane == 0) wait_for_inputs(p, t);
@@ -272,18 +328,21 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     })
     __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' row reads after it
     const bool g1 = is_gemm1(t.kind);
-    const bool gather = t.kind == TaskKind::kGemm1;
-    const int k_steps = g1 ? G1Kind::k_steps(gemm1_params(p, t.kind), tile) : G2Kind::k_steps(gemm2_params(p, t.kind), tile);
-    if (gather && k_steps > 0) {
+    const int k_steps = slot.k_steps;
+    const bool gather = t.kind == TaskKind::kGemm1 && k_steps > 0;
+    if (gather) {
       gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
       __syncwarp();
     }
-    for (int k = 0; k < k_steps; ++k) {
+    for (int k = 0; k < max(k_steps, 1); ++k) {  // a task without K steps: one stage without loads
       int ok = 1;
       if (lane == 0) ok = gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.routed1.err);
       if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;
       uint64_t* full = &ss.bars.full[st.index];
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && k == 0) task_slots(ss)[st.index] = slot;  // before thread 0's arrive
+      if (k_steps == 0) {
+        cutlass::arch::ClusterBarrier::arrive(full);
+      } else if (threadIdx.x == 0) {
         if (gather) {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
           G1Kind::load_b(p.routed1, tile, k, ss.b[st.index], full, 0);
@@ -293,7 +352,9 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
           else G2Kind::load_stage(gemm2_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
         }
       }
-      if (gather) {
+      if (k_steps == 0) {
+        // arrived above
+      } else if (gather) {
         gather_a_stage(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
       } else {
         cutlass::arch::ClusterBarrier::arrive(full);
@@ -379,18 +440,26 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   gemm::PipeState<Cfg::kStages> st;
   PendingTile pending;  // meaningful in thread 0 of the warpgroup only
   const int n = list.size();
+  const TaskSlot* slots = task_slots(ss);
   for (int i = cta; i < n; i += ctas) {
-    const Task t = list.at(i);
-    const gemm::RowTile tile = tile_of(p, t);
     MOK_FWD_TRACE(const int j = (i - cta) / ctas; const bool stamp = ctid == 0;
                   if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskTileBegin);)
+    // The task arrives with its first stage (TaskSlot).
+    if (ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
+      pending.flush();  // about to block on the producer: publish first
+    }
+    if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, p.routed1.err)) break;
+    const TaskSlot slot = read_task_slot(slots[st.index]);
+    const Task& t = slot.task;
+    const gemm::RowTile& tile = slot.tile;
+    const int k_steps = slot.k_steps;
     const bool g1 = is_gemm1(t.kind);
     const gemm::Gemm1SwigluParams& p1 = gemm1_params(p, t.kind);
     const gemm::Gemm2Params& p2 = gemm2_params(p, t.kind);
     if (g1) G1Kind::seed(p1, tile, ctx, acc); else G2Kind::seed(p2, tile, ctx, acc);
-    const int k_steps = g1 ? G1Kind::k_steps(p1, tile) : G2Kind::k_steps(p2, tile);
-    if (ctx.tid == 0 && k_steps > 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
-      pending.flush();  // about to block on the producer: publish first
+    if (k_steps == 0) {  // the stage carried only the task
+      gemm::release_stage(ss, st.index, ctx.tid);
+      st.advance();
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
