@@ -196,9 +196,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);
-  // GEMM 1 waits per row tile after the fan-out (its tiles land out of minibatch order at the
-  // start: the first tiles carry most of the fan-out stores, docs/megakernel.md seventh session).
-  if (o.dedup && !o.token_major) p.tile_landed = p.dispatch.tile_done;
   if (o.token_major) {
     p.gather.on = true;
     p.gather.rows = p.view.rows;

@@ -69,10 +69,6 @@ struct FusedForwardParams {
   uint32_t* g1_done = nullptr;
   uint32_t* g2_done = nullptr;
   const uint32_t* ready = nullptr;  // dispatch's per-minibatch counters
-  // Dedup fan-out dispatch: rows landed per row tile (DispatchRole::tile_done, kRowTile when
-  // complete). GEMM 1 then waits for its own row tile instead of its whole minibatch; nullptr
-  // for the other dispatch modes.
-  const uint32_t* tile_landed = nullptr;
   comm::ScheduleView view;
   comm::DispatchRole dispatch;
   comm::CombineRole combine;  // combine.out_ready = g2_done
@@ -177,11 +173,6 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
     case TaskKind::kGemm1:
       if (p.gather.on) {
         comm::wait_minibatch_landed(p.ready, p.view, t.minibatch, p.wait);
-      } else if (p.tile_landed != nullptr) {
-        // NOTE: each writer fences its row stores before its relaxed add (count_dispatched_row),
-        // so acquiring the final count orders every row of the tile before our loads.
-        comm::wait_geq<Scope::kGpu>(p.tile_landed + t.row_tile, static_cast<uint32_t>(gemm::kRowTileRows),
-                                    comm::WaitSite::kReadyCounter, p.wait);
       } else {
         comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
       }
