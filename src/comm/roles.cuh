@@ -366,14 +366,22 @@ __device__ __forceinline__ void warp_fanout_rows(const FanRow (&job)[R], char* b
   }
 }
 
-// One finished row: tile_done counts the rows of its tile; whoever lands the tile's last row
-// raises the minibatch's ready counter. Call after __threadfence() that follows the row's
-// stores (and a __syncwarp, which orders the other lanes' stores before that fence).
-__device__ inline void count_dispatched_row(const DispatchRole& r, int64_t row) {
-  const int64_t tile = row / kRowTile;
-  if (atomicAdd(r.tile_done + tile, 1u) == static_cast<uint32_t>(kRowTile) - 1) {
-    __threadfence();  // NOTE: acquire the other writers' counts (relaxed RMW + fence), then release the tile
-    fetch_add_release<Scope::kGpu>(r.ready + tile / r.tiles_per_minibatch, 1u);
+// Finished rows (dest[q] >= 0; -1: none): tile_done counts the rows of each tile; whoever
+// lands a tile's last row raises the minibatch's ready counter. Call after __threadfence()
+// that follows the rows' stores (and a __syncwarp, which orders the other lanes' stores before
+// that fence). All R adds are issued before any result is checked, so they are in flight
+// together (one row at a time, a heavy tile's count was a chain of round trips).
+template <int R>
+__device__ inline void count_dispatched_rows(const DispatchRole& r, const int32_t (&dest)[R]) {
+  uint32_t before[R];
+#pragma unroll
+  for (int q = 0; q < R; ++q) before[q] = dest[q] >= 0 ? atomicAdd(r.tile_done + dest[q] / kRowTile, 1u) : 0u;
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+    if (dest[q] >= 0 && before[q] == static_cast<uint32_t>(kRowTile) - 1) {
+      __threadfence();  // NOTE: acquire the other writers' counts (relaxed RMW + fence), then release the tile
+      fetch_add_release<Scope::kGpu>(r.ready + dest[q] / kRowTile / r.tiles_per_minibatch, 1u);
+    }
   }
 }
 
@@ -402,12 +410,19 @@ __device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGro
     if (mine.count == 0) continue;
     __syncwarp();
     __threadfence();  // NOTE: every lane's row stores (ordered by the bar.warp.sync) before the counts
-    for (int j = 0; j < Shape::kRowsPerWarp; ++j) {
-      if (j >= mine.count) break;
-      const RowEntry e = shfl_entry(mine.e, j);
-      const int in_tile = __shfl_sync(0xffffffffu, mine.row, j);
-      const FanRow f = fan_row(r, e, tile * kRowTile + in_tile, lane);
-      if (f.dest >= 0) count_dispatched_row(r, f.dest);
+    // R sources at a time, so that their destination loads and their counter adds overlap
+    // (one source at a time, a heavy tile's count was a chain of two round trips per source).
+    for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
+      if (j0 >= mine.count) break;  // warp-uniform
+      int32_t dest[R];
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        const int j = j0 + q;
+        const RowEntry e = shfl_entry(mine.e, j % 32);
+        const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
+        dest[q] = j < mine.count ? fan_row(r, e, tile * kRowTile + in_tile, lane).dest : -1;  // warp-uniform
+      }
+      count_dispatched_rows<R>(r, dest);
     }
   }
 }
