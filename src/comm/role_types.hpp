@@ -65,12 +65,6 @@ struct DispatchRole {
   // registers to every row of that token on this rank (kWarp: fan-out from the token's first
   // row, needs dest_row/tokens/topk below). Same bytes as the plain pull.
   bool dedup = false;
-  // kWarp + dedup: fan out only other ranks' tokens; every row of an own token is its own
-  // source, read from the local x. A token's rows all land when its first row's tile is
-  // processed, so the fan-out front-loads its stores into a minibatch's first tiles (~4x at
-  // top-8, EP 2); own tokens need no NVLink dedup, and copied row by row they spread over the
-  // tiles. Same bytes, same counters.
-  bool own_every_row = false;
   WaitContext wait;
   // ---- added for the bulk engines (defaults keep the original behaviour) ----
   CopyEngine engine = CopyEngine::kWarp;

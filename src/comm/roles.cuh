@@ -147,11 +147,8 @@ __device__ __forceinline__ bool in_row_set(RowSet set, const RowEntry& e, int ra
   const bool remote = e.src_rank >= 0 && e.src_rank != rank;
   return set == RowSet::kAll || (set == RowSet::kRemote) == remote;
 }
-// Rows a dedup (fan-out) dispatch starts from: padding, and each token's first row on this rank
-// (own_every_row: every row of an own token, DispatchRole::own_every_row).
-__device__ __forceinline__ bool is_fan_source(const RowEntry& e, int rank = -1, bool own_every_row = false) {
-  return e.src_rank < 0 || e.copy_from < 0 || (own_every_row && e.src_rank == rank);
-}
+// Rows a dedup (fan-out) dispatch starts from: padding, and each token's first row on this rank.
+__device__ __forceinline__ bool is_fan_source(const RowEntry& e) { return e.src_rank < 0 || e.copy_from < 0; }
 
 // A warp's rows of one tile: lane j holds the warp's j-th row (entry, row within the tile),
 // `count` (warp-uniform) of them. The picked rows of the tile in increasing order go round-robin
@@ -167,7 +164,7 @@ struct WarpRows {
 // first_only (with !kAll): only the fan-out sources of the set (is_fan_source).
 template <class Shape, bool kAll>
 __device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, RowSet set, int rank, int warp, int lane,
-                                          bool first_only = false, bool own_every_row = false) {
+                                          bool first_only = false) {
   constexpr int W = Shape::kWarps;
   WarpRows w;
   if constexpr (kAll) {
@@ -186,8 +183,7 @@ __device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, Ro
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     ent[q] = rows[tile * kRowTile + q * 32 + lane];
-    mask[q] = __ballot_sync(0xffffffffu, in_row_set(set, ent[q], rank) &&
-                                             (!first_only || is_fan_source(ent[q], rank, own_every_row)));
+    mask[q] = __ballot_sync(0xffffffffu, in_row_set(set, ent[q], rank) && (!first_only || is_fan_source(ent[q])));
     before[q + 1] = before[q] + __popc(mask[q]);
   }
   const int picked = before[4];
@@ -338,11 +334,7 @@ __device__ inline FanRow fan_row(const DispatchRole& r, const RowEntry& e, int64
   } else {
     f.src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
                                           static_cast<int64_t>(e.token) * r.row_bytes);
-    if (r.own_every_row && e.src_rank == r.peers.rank) {
-      f.dest = lane == 0 ? static_cast<int32_t>(row) : -1;  // an own token's row is its own source
-    } else if (lane < r.topk) {
-      f.dest = r.dest_row[(static_cast<int64_t>(e.src_rank) * r.tokens + e.token) * r.topk + lane];
-    }
+    if (lane < r.topk) f.dest = r.dest_row[(static_cast<int64_t>(e.src_rank) * r.tokens + e.token) * r.topk + lane];
   }
   f.mask = __ballot_sync(0xffffffffu, f.dest >= 0);
   return f;
@@ -402,8 +394,7 @@ __device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGro
   const int64_t tiles = r.header->padded_rows / kRowTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
-    const WarpRows mine =
-        warp_tile_rows<Shape, false>(r.rows, tile, g.set, r.peers.rank, warp, lane, true, r.own_every_row);
+    const WarpRows mine = warp_tile_rows<Shape, false>(r.rows, tile, g.set, r.peers.rank, warp, lane, true);
     for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
       if (j0 >= mine.count) break;  // warp-uniform
       FanRow job[R];

@@ -33,9 +33,6 @@ struct Workspace::Impl {
   // Fused path: token-major dispatch + GEMM 1 gathering its rows (same bits as the fan-out;
   // off by default, FusedForwardOptions::token_major). Set before the first forward pass.
   bool dispatch_token_major = false;
-  // Fused path, dedup: own tokens' rows copied one by one instead of fanned out
-  // (FusedForwardOptions::own_every_row). Same bits.
-  bool dispatch_own_every_row = false;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

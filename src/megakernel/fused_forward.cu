@@ -196,7 +196,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);
-  p.dispatch.own_every_row = o.dedup && o.own_every_row;
   if (o.token_major) {
     p.gather.on = true;
     p.gather.rows = p.view.rows;

@@ -39,9 +39,6 @@ struct FusedForwardOptions {
   // makes GEMM 1 slower than the fan-out costs (measured 1.05-1.18x the forward's time,
   // docs/megakernel.md).
   bool token_major = false;
-  // dedup: fan out only other ranks' tokens, copy every own-token row from the local x
-  // (comm::DispatchRole::own_every_row: spreads the fan-out's front-loaded stores). Same bits.
-  bool own_every_row = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the
