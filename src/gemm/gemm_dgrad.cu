@@ -34,8 +34,7 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   // K steps (the ring depth plus two) before the consumers reach the epilogue: long enough
   // for HBM latency, short enough that the K loop's streaming does not evict the lines.
   // Developer knob (A/B): MOK_GEMM_DH_PREFETCH=<steps before the end>, 0 = off.
-  const char* pf = std::getenv("MOK_GEMM_DH_PREFETCH");
-  const int ahead = pf != nullptr ? std::atoi(pf) : 2;
+  const int ahead = host::dh_prefetch_ahead();
   p.prefetch_at = ahead > 0 ? std::max(p.k_steps - ahead, 0) : -1;
   host::launch_row_kind<DgradHiddenKind>(p, launch, stream);
 }

@@ -101,16 +101,22 @@ int resolve_grid(const Launch& launch) {
 
 uint64_t timeout_ns(const Launch& launch) { return static_cast<uint64_t>(launch.timeout_s * 1e9); }
 
-int defer_wg1_shift() {
-  const char* v = std::getenv("MOK_GEMM_DEFER_STAGGER");
-  if (v == nullptr) return kDeferWg1Shift;
+int env_int(const char* name, int fallback, int lo, int hi, const char* what) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
   char* end = nullptr;
-  const long shift = std::strtol(v, &end, 10);
-  if (end == v || *end != '\0' || shift < 0 || shift > 64) {
-    throw_invalid("MOK_GEMM_DEFER_STAGGER", "a batch count in [0, 64]", v);
+  const long x = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || x < lo || x > hi) {
+    throw_invalid(name, std::string(what) + " in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", v);
   }
-  return static_cast<int>(shift);
+  return static_cast<int>(x);
 }
+
+int defer_wg1_shift() { return env_int("MOK_GEMM_DEFER_STAGGER", kDeferWg1Shift, 0, 64, "a batch count"); }
+
+int dh_prefetch_ahead() { return env_int("MOK_GEMM_DH_PREFETCH", 2, 0, 1 << 20, "K steps before the end (0 = off)"); }
+
+int group_m_override(int group_m) { return env_int("MOK_GEMM_GROUP_M", group_m, 1, 1 << 20, "a raster group of row tiles"); }
 
 bool env_is(const char* name, const char* value) {
   const char* v = std::getenv(name);

@@ -47,6 +47,15 @@ bool expert_raster_groups();
 // developer knob MOK_GEMM_DEFER_STAGGER=<batches in [0, 64]> (anything else throws
 // kInvalidArgument naming the knob).
 int defer_wg1_shift();
+// Integer developer knobs: `fallback` when `name` is unset, else its value, which must be a
+// whole decimal number in [lo, hi] (anything else throws kInvalidArgument naming the knob and
+// "<what> in [lo, hi]").
+int env_int(const char* name, int fallback, int lo, int hi, const char* what);
+// MOK_GEMM_DH_PREFETCH: K steps before the end at which dh's producer prefetches g, u into L2
+// (default 2, 0 = off; docs/gemm.md).
+int dh_prefetch_ahead();
+// MOK_GEMM_GROUP_M: the raster group of row tiles (measurement only), else `group_m`.
+int group_m_override(int group_m);
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
 
 }  // namespace mok::gemm::host

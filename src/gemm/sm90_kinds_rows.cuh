@@ -48,11 +48,8 @@ struct RowKindBase {
 template <int J0, int Offset, int Round, class Acc>
 __device__ inline void store_packed(const EpiCtx& ctx, const Acc& acc, const CUtensorMap* map, int col0,
                                     int cols, int row0) {
-  store_round<J0, Round>(
-      ctx, [&](int i) { return __float_as_uint(acc(i + Offset)); },
-      [&](uint8_t* box, int b) {
-        if (col0 + 64 * b < cols) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, row0 + 64 * ctx.wg);
-      });
+  store_round<J0, Round>(ctx, [&](int i) { return __float_as_uint(acc(i + Offset)); },
+                         Box2dStore{map, col0, cols, row0 + 64 * ctx.wg});
 }
 
 // Rounds pairs (i, i+1) to packed bf16x2 in place (bits in acc(i)); padding rows get zeros.
@@ -120,11 +117,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     const int col0 = 128 * t.n_tile;
     const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
     auto real = [&](int i) { return (i / 2) % 2 ? real1 : real0; };
-    auto issue = [&](const CUtensorMap* map) {
-      return [&, map](uint8_t* box, int b) {
-        if (col0 + 64 * b < p.inter) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
-      };
-    };
+    auto issue = [&](const CUtensorMap* map) { return Box2dStore{map, col0, p.inter, t.row0 + 64 * ctx.wg}; };
     store_round<0, 0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g));
     store_round<0, 1>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, issue(&p.u));
 #pragma unroll
@@ -177,9 +170,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
             return h_pair(pk.v[i / 2], pk.v[32 + i / 2], (i / 2) % 2 ? real1 : real0);
           }
         },
-        [&](uint8_t* box, int b) {
-          if (col0 + 64 * b < p.inter) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
-        });
+        Box2dStore{map, col0, p.inter, t.row0 + 64 * ctx.wg});
   }
 };
 
@@ -218,11 +209,8 @@ struct DeferredBf16x256 {
   __device__ static void store_piece(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Derived::out_map(p);
     const int col0 = 256 * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
-    store_round<16 * Half, Half>(
-        ctx, [&](int i) { return pk.v[i / 2]; },
-        [&](uint8_t* box, int b) {
-          if (col0 + 64 * b < cols) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, t.row0 + 64 * ctx.wg);
-        });
+    store_round<16 * Half, Half>(ctx, [&](int i) { return pk.v[i / 2]; },
+                                 Box2dStore{map, col0, cols, t.row0 + 64 * ctx.wg});
   }
 };
 

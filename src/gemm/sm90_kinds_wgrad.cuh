@@ -74,14 +74,8 @@ struct WgradKind {
     const Problem& pr = p.problems[t.problem];
     const CUtensorMap* map = &pr.out;
     const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
-    const int cols = pr.n, rows = pr.m;
-    store_round<16 * Half, Half>(
-        ctx, [&](int i) { return pk.v[i / 2]; },
-        [&](uint8_t* box, int b) {
-          if (col0 + 64 * b < cols && row0 < rows) {
-            cute::SM90_TMA_STORE_3D::copy(map, box, col0 + 64 * b, row0, t.expert);
-          }
-        });
+    store_round<16 * Half, Half>(ctx, [&](int i) { return pk.v[i / 2]; },
+                                 Box3dStore{map, col0, pr.n, row0, pr.m, t.expert});
   }
 
   // NOTE: problems are reached through their address (grid-constant parameter space);
@@ -252,14 +246,8 @@ struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1, Seeded> {
   __device__ static void store_atom(const Problem& pr, const KTile& t, const EpiCtx& ctx, const Acc& acc) {
     const CUtensorMap* map = &pr.out;
     const int col0 = kTileN * t.n_tile, row0 = 128 * t.m_tile + 64 * Atom;
-    const int cols = pr.n, rows = pr.m;
-    store_round<0, Atom>(
-        ctx, [&](int i) { return __float_as_uint(acc(i + 64 * Atom)); },
-        [&](uint8_t* box, int b) {
-          if (col0 + 64 * b < cols && row0 < rows) {
-            cute::SM90_TMA_STORE_3D::copy(map, box, col0 + 64 * b, row0, t.expert);
-          }
-        });
+    store_round<0, Atom>(ctx, [&](int i) { return __float_as_uint(acc(i + 64 * Atom)); },
+                         Box3dStore{map, col0, pr.n, row0, pr.m, t.expert});
   }
 };
 

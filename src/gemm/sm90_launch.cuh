@@ -57,8 +57,7 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   s.experts = seg.experts;
   s.n_tiles = static_cast<int>((cols + tile_cols - 1) / tile_cols);
   // Developer knob (measurement only): MOK_GEMM_GROUP_M overrides the raster group.
-  const char* g = std::getenv("MOK_GEMM_GROUP_M");
-  s.group_m = g != nullptr && std::atoi(g) > 0 ? std::atoi(g) : group_m;
+  s.group_m = group_m_override(group_m);
   s.cluster = 1;  // set by the launcher
   s.expert_groups = expert_raster_groups();
   return s;

@@ -274,6 +274,27 @@ __device__ inline uint32_t staged_offset(const EpiCtx& ctx, int jj, int v1) {
   return (jj / 8) * 8192 + v1 * 1024 + base + chunk;
 }
 
+// The `issue` of a store round into a 2-D bf16 tensor: box b (64 columns) goes to columns
+// col0 + 64 b of the warpgroup's 64 rows from row0; boxes starting at or past `cols` are
+// skipped (TMA clips a partly outside box itself, a fully outside one would be an error).
+struct Box2dStore {
+  const CUtensorMap* map;
+  int col0, cols, row0;
+  __device__ void operator()(uint8_t* box, int b) const {
+    if (col0 + 64 * b < cols) cute::SM90_TMA_STORE_2D::copy(map, box, col0 + 64 * b, row0);
+  }
+};
+
+// The same into expert `expert` of a 3-D [experts, rows, cols] tensor (wgrad's weight
+// gradients); a round whose 64 rows start at or past `rows` is skipped too.
+struct Box3dStore {
+  const CUtensorMap* map;
+  int col0, cols, row0, rows, expert;
+  __device__ void operator()(uint8_t* box, int b) const {
+    if (col0 + 64 * b < cols && row0 < rows) cute::SM90_TMA_STORE_3D::copy(map, box, col0 + 64 * b, row0, expert);
+  }
+};
+
 // One store round: the warpgroup writes 64 rows x 128 columns (column pairs of fragment
 // blocks J0..J0+15, values from pair(i) = packed bf16x2 of fragment values i, i+1) into a
 // staging buffer, then one thread stores it with `issue(box_smem, box)`. Round (0, 1, ... within

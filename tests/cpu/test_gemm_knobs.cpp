@@ -56,6 +56,44 @@ TEST(GemmKnobs, DeferStaggerRejectsMalformedValues) {
   }
 }
 
+// The other integer knobs go through the same parser (host::env_int).
+TEST(GemmKnobs, IntegerKnobsDefaultParseAndReject) {
+  using mok::gemm::host::dh_prefetch_ahead;
+  using mok::gemm::host::group_m_override;
+  {
+    ScopedEnv a("MOK_GEMM_DH_PREFETCH", nullptr), b("MOK_GEMM_GROUP_M", nullptr);
+    EXPECT_EQ(dh_prefetch_ahead(), 2);
+    EXPECT_EQ(group_m_override(8), 8);
+  }
+  {
+    ScopedEnv a("MOK_GEMM_DH_PREFETCH", "0"), b("MOK_GEMM_GROUP_M", "16");
+    EXPECT_EQ(dh_prefetch_ahead(), 0);
+    EXPECT_EQ(group_m_override(8), 16);
+  }
+  struct Bad {
+    const char* name;
+    const char* value;
+    int (*read)();
+  };
+  const Bad bad[] = {
+      {"MOK_GEMM_DH_PREFETCH", "-1", [] { return dh_prefetch_ahead(); }},
+      {"MOK_GEMM_DH_PREFETCH", "two", [] { return dh_prefetch_ahead(); }},
+      {"MOK_GEMM_GROUP_M", "0", [] { return group_m_override(8); }},
+      {"MOK_GEMM_GROUP_M", "8x", [] { return group_m_override(8); }},
+      {"MOK_GEMM_GROUP_M", "", [] { return group_m_override(8); }},
+  };
+  for (const Bad& c : bad) {
+    ScopedEnv env(c.name, c.value);
+    try {
+      c.read();
+      FAIL() << "accepted " << c.name << "='" << c.value << "'";
+    } catch (const mok::Error& e) {
+      EXPECT_EQ(e.status(), mok::Status::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(c.name), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(GemmKnobs, EnvIsMatchesExactly) {
   {
     ScopedEnv env("MOK_GEMM_TEST_FLAG", nullptr);

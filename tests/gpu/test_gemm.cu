@@ -3,8 +3,12 @@
 // grid sizes, and wgrad split over several calls == one call.
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
 #include <climits>
+#include <cstdlib>
 #include <functional>
+#include <string>
 
 #include "gemm/grouped_gemm.hpp"
 #include "mok/error.hpp"
@@ -21,6 +25,36 @@ struct Variant {
   int grid, cluster;
 };
 const Variant kVariants[] = {{0, 0}, {132, 0}, {66, 0}, {7, 0}, {0, 2}, {7, 2}};
+
+// Developer knobs that move work in time but must not change a bit (read at every launch):
+// the deferred epilogues' warpgroup stagger and dh's L2 prefetch. Each value runs once more
+// at the default grid.
+struct KnobValue {
+  const char* name;
+  const char* value;
+};
+const KnobValue kKnobVariants[] = {
+    {"MOK_GEMM_DEFER_STAGGER", "0"}, {"MOK_GEMM_DEFER_STAGGER", "5"}, {"MOK_GEMM_DH_PREFETCH", "0"}};
+
+// Sets an environment variable for the scope (restores the previous state after).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
 
 #define SKIP_WITHOUT_GPU() \
   if (!has_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)"
@@ -79,6 +113,16 @@ std::vector<Bits> run_all_grids(Problem& pb, std::vector<DeviceBuffer<uint16_t>*
                                                   " rep " + std::to_string(rep));
         }
       }
+    }
+  }
+  for (const KnobValue& knob : kKnobVariants) {
+    ScopedEnv env(knob.name, knob.value);
+    for (auto* o : outs) o->poison();
+    run(kVariants[0]);
+    pb.expect_no_error();
+    for (size_t k = 0; k < outs.size(); ++k) {
+      expect_bitwise_equal(first[k], outs[k]->download(),
+                           std::string(what) + " output " + std::to_string(k) + " " + knob.name + "=" + knob.value);
     }
   }
   return first;
@@ -261,6 +305,18 @@ void test_wgrad(const Shape& s, uint32_t seed) {
         expect_bitwise_equal(first_f[q], gf, "wgrad fp32" + tag);
         expect_bitwise_equal(first_acc[q], ga, "wgrad accumulate" + tag);
       }
+    }
+  }
+
+  // The warpgroup stagger of the deferred bf16 epilogue changes no bit.
+  for (const char* stagger : {"0", "5"}) {
+    ScopedEnv env("MOK_GEMM_DEFER_STAGGER", stagger);
+    for (int q = 0; q < 3; ++q) out_bf[q].poison();
+    gemm::wgrad(args(gemm::WgradOut::kWriteBf16, nullptr, nullptr, false, 0), pb.launch(kVariants[0]), nullptr);
+    pb.expect_no_error();
+    for (int q = 0; q < 3; ++q) {
+      expect_bitwise_equal(first_bf[q], out_bf[q].download(),
+                           "wgrad bf16 problem " + std::to_string(q) + " MOK_GEMM_DEFER_STAGGER=" + stagger);
     }
   }
 
