@@ -53,24 +53,6 @@ __device__ __forceinline__ void store_vec(int4* p, int4 v) {
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// Bulk async stores (TMA, cp.async.bulk) from shared memory, issued by one lane; completion
-// tracked by the lane's bulk async-groups (the completion includes a generic-async proxy
-// fence). The fused forward's fan-out (warp_fanout_rows_bulk) and the bulk engines
-// (roles_bulk.cuh) use them.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void bulk_wait() {  // all but the N most recent groups complete (writes done)
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {  // ... have finished reading shared memory
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-
 struct StableLoad {
   __device__ int4 operator()(const int4* p) const { return load_stable(p); }
 };
@@ -384,50 +366,6 @@ __device__ __forceinline__ void warp_fanout_rows(const FanRow (&job)[R], char* b
   }
 }
 
-// The same with the stores issued by the TMA unit: the warp writes the R rows' chunk once into
-// its shared-memory stage (`stage`: R x 32V x 16 bytes, 16-byte aligned), and lane 0 issues one
-// bulk store per destination row. The SM's store path (L1TEX, measured at ~88 % in the
-// register fan-out: docs/comm.md) then carries one write of each source row instead of one per
-// destination. The stage is rewritten only after the previous round's bulk stores read it;
-// the caller waits for their completion (bulk_wait<0>) before counting the rows as landed.
-template <int R, int V, class Load>
-__device__ __forceinline__ void warp_fanout_rows_bulk(const FanRow (&job)[R], char* buffer, int64_t row_bytes, int lane,
-                                                      Load load, uint32_t stage) {
-  const int64_t vecs = row_bytes / 16;
-  for (int64_t base0 = 0; base0 < vecs; base0 += 32 * V) {
-    const int64_t base = base0 + lane;
-    int4 v[R][V];
-    load_row_vectors(v, job, base, vecs, load);
-    if (lane == 0) bulk_wait_read<0>();
-    __syncwarp();
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        if (base + u * 32 < vecs) {
-          const uint32_t at = stage + static_cast<uint32_t>(((q * V + u) * 32 + lane) * 16);
-          asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};" ::"r"(at), "r"(v[q][u].x), "r"(v[q][u].y),
-                       "r"(v[q][u].z), "r"(v[q][u].w)
-                       : "memory");
-        }
-      }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem writes -> the TMA's reads
-    __syncwarp();
-    const uint32_t bytes = static_cast<uint32_t>((vecs - base0 < 32 * V ? vecs - base0 : 32 * V) * 16);
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-      for (uint32_t m = job[q].mask; m != 0; m &= m - 1) {  // warp-uniform
-        const int32_t row = __shfl_sync(0xffffffffu, job[q].dest, __ffs(m) - 1);
-        if (lane == 0) {
-          bulk_store(buffer + static_cast<int64_t>(row) * row_bytes + base0 * 16, stage + q * V * 32 * 16, bytes);
-        }
-      }
-    }
-    if (lane == 0) bulk_commit();
-  }
-}
-
 // Finished rows (dest[q] >= 0; -1: none): tile_done counts the rows of each tile; whoever
 // lands a tile's last row raises the minibatch's ready counter. Call after __threadfence()
 // that follows the rows' stores (and a __syncwarp, which orders the other lanes' stores before
@@ -450,10 +388,8 @@ __device__ inline void count_dispatched_rows(const DispatchRole& r, const int32_
 // Tiles in increasing order: a token's first row sits in its lowest local expert, so every row
 // of minibatch m is written by a source in a tile of m or earlier and the minibatches still
 // complete in order. No CTA barrier: each warp publishes its own rows once per tile.
-// stage != 0: this warp's shared-memory stage for warp_fanout_rows_bulk (the fused forward's
-// comm CTAs, whose shared memory is otherwise unused); 0: stores from registers.
 template <class Shape>
-__device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGroup& g, uint32_t stage = 0) {
+__device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGroup& g) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
   const int64_t tiles = r.header->padded_rows / kRowTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -469,16 +405,9 @@ __device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGro
         const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
         if (j < mine.count) job[q] = fan_row(r, e, tile * kRowTile + in_tile, lane);  // warp-uniform
       }
-      if (stage != 0) {
-        warp_fanout_rows_bulk<R, V>(job, r.row_buffer, r.row_bytes, lane, StableLoad{}, stage);
-      } else {
-        warp_fanout_rows<R, V>(job, r.row_buffer, r.row_bytes, lane, StableLoad{});
-      }
+      warp_fanout_rows<R, V>(job, r.row_buffer, r.row_bytes, lane, StableLoad{});
     }
     if (mine.count == 0) continue;
-    // NOTE: the bulk stores have completed (their completion includes the generic-async proxy
-    // fence) before the fence and the counts below publish the rows.
-    if (stage != 0 && lane == 0) bulk_wait<0>();
     __syncwarp();
     __threadfence();  // NOTE: every lane's row stores (ordered by the bar.warp.sync) before the counts
     // R sources at a time, so that their destination loads and their counter adds overlap
@@ -544,20 +473,13 @@ __device__ inline void dispatch_land_warps(const DispatchRole& r, int cta, int n
 // Plain (dedup off): every row is pulled from its source; optional remote / own CTA split.
 // Dedup: fan-out from each token's first row (remote / own split allowed as well). Both give
 // identical bytes and identical ready counters. Token-major: dispatch_land_warps.
-// fanout_stage: per-warp shared-memory stages for the dedup fan-out's bulk stores (bytes from
-// the CTA's dynamic shared memory at this 32-bit address, kFanoutStageBytes<Shape> per warp),
-// or 0 for stores from registers.
 template <class Shape>
-inline constexpr int kFanoutStageBytes = Shape::kRowsAtOnce * Shape::kVecsPerRow * 32 * 16;
-template <class Shape>
-__device__ inline void dispatch_pull_warps(const DispatchRole& r, int cta, int nctas, uint32_t fanout_stage = 0) {
+__device__ inline void dispatch_pull_warps(const DispatchRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
   if (r.token_major) return dispatch_land_warps<Shape>(r, cta, nctas);
   const CtaGroup g = cta_group(r.remote_ctas, r.peers.ep, cta, nctas);
   if (r.dedup) {
-    const uint32_t stage =
-        fanout_stage != 0 ? fanout_stage + static_cast<uint32_t>(threadIdx.x / 32 * kFanoutStageBytes<Shape>) : 0u;
-    dispatch_fanout_tiles<Shape>(r, g, stage);
+    dispatch_fanout_tiles<Shape>(r, g);
   } else if (g.set == RowSet::kAll) {
     dispatch_tiles<Shape, true>(r, g);
   } else {

@@ -33,9 +33,6 @@ struct Workspace::Impl {
   // Fused path: token-major dispatch + GEMM 1 gathering its rows (same bits as the fan-out;
   // off by default, FusedForwardOptions::token_major). Set before the first forward pass.
   bool dispatch_token_major = false;
-  // Fused path, dedup: the fan-out's stores issued by the TMA unit from shared memory
-  // (FusedForwardOptions::bulk_fanout). Same bits.
-  bool dispatch_bulk_fanout = false;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

@@ -46,13 +46,9 @@ using FusedWarps = comm::WarpShape<Warps, 3, 8>;
 
 // Pull dispatch (plain, or dedup fan-out: role.dedup). Call after the group barrier that follows
 // the staging of x on every rank; ready[m] += 1 per finished row tile.
-// smem: the CTA's dynamic shared memory (16-byte aligned) for the fan-out's bulk stores
-// (FusedForwardOptions::bulk_fanout), or nullptr for stores from registers.
 template <int Warps>
-inline constexpr int kFanoutSmemBytes = Warps * comm::kFanoutStageBytes<FusedWarps<Warps>>;
-template <int Warps>
-__device__ inline void dispatch_rows_pull(const comm::DispatchRole& r, int cta, int nctas, uint8_t* smem) {
-  comm::dispatch_pull_warps<FusedWarps<Warps>>(r, cta, nctas, smem != nullptr ? comm::smem_addr(smem) : 0u);
+__device__ inline void dispatch_rows_pull(const comm::DispatchRole& r, int cta, int nctas) {
+  comm::dispatch_pull_warps<FusedWarps<Warps>>(r, cta, nctas);
 }
 
 // Push combine, each row tile after out_ready[tile] (GEMM 2) >= out_ready_target. The slots may

@@ -16,21 +16,17 @@
 namespace mok::megakernel {
 namespace {
 
-static_assert(kFanoutSmemBytes<FusedCta::kWarps> + 127 <= FusedCta::kSmemBytes,
-              "the comm CTAs' fan-out stages must fit in the fused kernel's shared memory");
-
 // ---- kernel ---------------------------------------------------------------------------------
 
 // Communication CTAs: dispatch (after the "x staged everywhere" barrier), then combine (each
 // row tile once GEMM 2 published it), then the barrier after which every rank's slots hold
 // every row. A failed barrier (timeout, recorded) skips the role; waiters give up at once.
-__device__ void comm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta) {
+__device__ void comm_cta(const FusedForwardParams& p, int cta) {
   const uint32_t n = static_cast<uint32_t>(p.comm_ctas);
   MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommStart);)
   if (group_barrier_all(p.dispatch_start, n, p.dispatch.peers, p.wait)) {
     MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier1);)
-    dispatch_rows_pull<FusedCta::kWarps>(p.dispatch, cta, static_cast<int>(n),
-                                         p.bulk_fanout ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 127) & ~uintptr_t(127)) : nullptr);
+    dispatch_rows_pull<FusedCta::kWarps>(p.dispatch, cta, static_cast<int>(n));
   }
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(n));
@@ -73,7 +69,7 @@ __global__ void __launch_bounds__(FusedCta::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const int cta = static_cast<int>(blockIdx.x);
   if (cta < p.comm_ctas) {
-    comm_cta(p, smem_raw, cta);
+    comm_cta(p, cta);
   } else {
     gemm_cta(p, smem_raw, cta - p.comm_ctas, static_cast<int>(gridDim.x) - p.comm_ctas);
   }
@@ -200,7 +196,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);
-  p.bulk_fanout = o.dedup && !o.token_major && o.bulk_fanout;
   if (o.token_major) {
     p.gather.on = true;
     p.gather.rows = p.view.rows;

@@ -39,10 +39,6 @@ struct FusedForwardOptions {
   // makes GEMM 1 slower than the fan-out costs (measured 1.05-1.18x the forward's time,
   // docs/megakernel.md).
   bool token_major = false;
-  // dedup fan-out: the comm CTAs stage each source row in shared memory and the TMA unit
-  // stores it to every destination row (cp.async.bulk) instead of one register store per
-  // destination through the SM's store path. Same bytes.
-  bool bulk_fanout = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

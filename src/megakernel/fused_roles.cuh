@@ -75,7 +75,6 @@ struct FusedForwardParams {
   comm::GroupBarrier dispatch_start, combine_done;
   comm::WaitContext wait;
   int comm_ctas = 0;
-  bool bulk_fanout = false;  // FusedForwardOptions::bulk_fanout
   GatherParams gather;
   MOK_FWD_TRACE(trace::Sink trace;)
 };
