@@ -388,13 +388,16 @@ __device__ inline void count_dispatched_rows(const DispatchRole& r, const int32_
 // Tiles in increasing order: a token's first row sits in its lowest local expert, so every row
 // of minibatch m is written by a source in a tile of m or earlier and the minibatches still
 // complete in order. No CTA barrier: each warp publishes its own rows once per tile.
+// Tiles first, first + step, ... below end of the rows in `set`, by the Shape::kWarps warps of
+// a group (this one is `warp`); each tile is done by one group, whoever it is (the fused forward
+// lets its GEMM CTAs take a share of the first tiles: dispatch_fanout_shared_start).
 template <class Shape>
-__device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGroup& g) {
+__device__ inline void dispatch_fanout_range(const DispatchRole& r, RowSet set, int64_t first, int64_t end, int64_t step,
+                                             int warp) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
-  const int64_t tiles = r.header->padded_rows / kRowTile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
-    const WarpRows mine = warp_tile_rows<Shape, false>(r.rows, tile, g.set, r.peers.rank, warp, lane, true);
+  const int lane = threadIdx.x % 32;
+  for (int64_t tile = first; tile < end; tile += step) {
+    const WarpRows mine = warp_tile_rows<Shape, false>(r.rows, tile, set, r.peers.rank, warp, lane, true);
     for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
       if (j0 >= mine.count) break;  // warp-uniform
       FanRow job[R];
@@ -425,6 +428,11 @@ __device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGro
       count_dispatched_rows<R>(r, dest);
     }
   }
+}
+
+template <class Shape>
+__device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGroup& g) {
+  dispatch_fanout_range<Shape>(r, g.set, g.cta, r.header->padded_rows / kRowTile, g.nctas, threadIdx.x / 32);
 }
 
 // ---- token-major dispatch: one row per (token, other rank), nothing fanned out -------------

@@ -51,6 +51,29 @@ __device__ inline void dispatch_rows_pull(const comm::DispatchRole& r, int cta, 
   comm::dispatch_pull_warps<FusedWarps<Warps>>(r, cta, nctas);
 }
 
+// The dedup dispatch with the GEMM CTAs' help at the start (FusedForwardOptions::help_rows):
+// the first `help_tiles` row tiles go round-robin over every CTA of the grid (worker = its index
+// in the grid), the rest over the comm CTAs (worker = its comm index). The fan-out stores all
+// rows of a token when its first row's tile is processed, so the first tiles carry most of the
+// stores, while the GEMM CTAs of a layer without a shared expert have nothing to do until the
+// first minibatch landed. A group of Warps warps, this one `warp`; no CTA barrier inside.
+template <int Warps>
+__device__ inline void dispatch_fanout_shared_start(const comm::DispatchRole& r, int64_t help_tiles, int worker,
+                                                    int workers, int warp) {
+  if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
+  const int64_t tiles = r.header->padded_rows / kRowTile;
+  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, comm::RowSet::kAll, worker, min(help_tiles, tiles), workers, warp);
+}
+template <int Warps>
+__device__ inline void dispatch_rows_pull_helped(const comm::DispatchRole& r, int64_t help_tiles, int cta, int nctas,
+                                                 int grid) {
+  if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
+  const int64_t tiles = r.header->padded_rows / kRowTile;
+  const int warp = threadIdx.x / 32;
+  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, comm::RowSet::kAll, cta, min(help_tiles, tiles), grid, warp);
+  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, comm::RowSet::kAll, help_tiles + cta, tiles, nctas, warp);
+}
+
 // Push combine, each row tile after out_ready[tile] (GEMM 2) >= out_ready_target. The slots may
 // be read only after a group barrier that follows this role on every rank.
 template <int Warps>

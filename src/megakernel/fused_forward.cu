@@ -26,13 +26,34 @@ __device__ void comm_cta(const FusedForwardParams& p, int cta) {
   MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommStart);)
   if (group_barrier_all(p.dispatch_start, n, p.dispatch.peers, p.wait)) {
     MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier1);)
-    dispatch_rows_pull<FusedCta::kWarps>(p.dispatch, cta, static_cast<int>(n));
+    if (p.help_tiles > 0) {
+      dispatch_rows_pull_helped<FusedCta::kWarps>(p.dispatch, p.help_tiles, cta, static_cast<int>(n),
+                                                  static_cast<int>(gridDim.x));
+    } else {
+      dispatch_rows_pull<FusedCta::kWarps>(p.dispatch, cta, static_cast<int>(n));
+    }
   }
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(n));
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommCombineEnd);)
   group_barrier_all(p.combine_done, n, p.combine.peers, p.wait);
   MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier2);)
+}
+
+// A GEMM CTA's consumer warps take their share of the first row tiles of the dispatch
+// (FusedForwardParams::help_tiles) once x is staged on every rank (the comm CTAs' first group
+// barrier opened), then go to their tasks. Each warp waits for the barrier itself (lane 0's
+// acquire, then __syncwarp, orders the warp's reads of x after it); no CTA barrier.
+__device__ void gemm_cta_help_dispatch(const FusedForwardParams& p, int cta, int ctas) {
+  constexpr int kConsumerWarps = Cfg::kConsumerThreads / 32;
+  int ok = 1;
+  if (threadIdx.x % 32 == 0) {
+    ok = comm::wait_geq<comm::Scope::kGpu>(&p.dispatch_start.sync->opened, p.dispatch_start.epoch,
+                                           comm::WaitSite::kGroupArrive, p.wait);
+  }
+  if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;  // recorded; y is poisoned, the tasks still end
+  const int warp = (threadIdx.x - gemm::kWarpGroupThreads) / 32;
+  dispatch_fanout_shared_start<kConsumerWarps>(p.dispatch, p.help_tiles, p.comm_ctas + cta, p.comm_ctas + ctas, warp);
 }
 
 // GEMM CTAs: warpgroup 0 produces, 1-2 consume (as the standalone GEMM kernel). Each role is
@@ -59,6 +80,14 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    if (p.help_tiles > 0) {
+      gemm_cta_help_dispatch(p, cta, ctas);
+      // NOTE: the warpgroup reconverges (its epilogue barrier) before any wgmma: without it
+      // ptxas serialised every wgmma after the dispatch's lane-divergent code (C7518)
+      gemm::named_barrier_sync(
+          static_cast<uint32_t>(warpgroup == 1 ? gemm::NamedBarrier::kEpilogueWG0 : gemm::NamedBarrier::kEpilogueWG1),
+          gemm::kWarpGroupThreads);
+    }
     gemm_consumer(p, list, *ss, cta, ctas);
   }
 }
@@ -196,6 +225,12 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);
+  if (o.dedup && !o.token_major && p.dispatch.remote_ctas == 0 && o.help_rows != 0) {
+    // Automatic: a quarter of the routed rows (the fan-out's front-loaded part) when no shared
+    // expert hides the first minibatch's dispatch, else none.
+    const int64_t rows = o.help_rows > 0 ? o.help_rows : (s.has_shared() ? 0 : s.tokens * s.topk / 4);
+    p.help_tiles = ceil_div(rows, kRowTile);
+  }
   if (o.token_major) {
     p.gather.on = true;
     p.gather.rows = p.view.rows;

@@ -39,6 +39,10 @@ struct FusedForwardOptions {
   // makes GEMM 1 slower than the fan-out costs (measured 1.05-1.18x the forward's time,
   // docs/megakernel.md).
   bool token_major = false;
+  // Dedup fan-out: the GEMM CTAs' consumer warps also dispatch the first `help_rows` routed
+  // rows (round-robin row tiles over every CTA) before their tasks; -1: automatic (a quarter
+  // of the routed rows without a shared expert, none with one), 0: off. Same bytes.
+  int64_t help_rows = 0;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

@@ -75,6 +75,9 @@ struct FusedForwardParams {
   comm::GroupBarrier dispatch_start, combine_done;
   comm::WaitContext wait;
   int comm_ctas = 0;
+  // Dedup fan-out: the first help_tiles row tiles are dispatched by every CTA (the GEMM CTAs'
+  // consumer warps first, before their tasks), the rest by the comm CTAs. 0: comm CTAs only.
+  int64_t help_tiles = 0;
   GatherParams gather;
   MOK_FWD_TRACE(trace::Sink trace;)
 };

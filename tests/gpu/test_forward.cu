@@ -287,7 +287,8 @@ struct PassBits {
 //   kDefault     dedup fan-out dispatch into the row buffer, in-place combine
 //   kPlain       plain pull into the row buffer, every slot filled
 //   kTokenMajor  fused only: token-major dispatch, GEMM 1 gathering its rows, in-place combine
-enum class CopyModes { kDefault, kPlain, kTokenMajor };
+//   kHelpAll     fused only: every CTA (the GEMM CTAs' consumer warps too) dispatches every tile
+enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -299,6 +300,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     ws->impl().forward_path = path;
     ws->impl().dispatch_dedup = ws->impl().combine_in_place = modes != CopyModes::kPlain;
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
+    ws->impl().dispatch_help_rows = modes == CopyModes::kHelpAll ? int64_t{1} << 40 : 0;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -340,7 +342,10 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   // token-major dispatch with GEMM 1 gathering its rows, give the same bits.
   const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPlain);
   const auto fused_gather = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kTokenMajor);
+  const auto fused_help = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kHelpAll);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_help[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM CTAs dispatching";
+    EXPECT_TRUE(same_bits(fused_help[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, GEMM CTAs dispatching";
     EXPECT_TRUE(same_bits(fused_plain[r].y, fused[r].y)) << c.name << " rank " << r << ": y, copy modes off";
     EXPECT_TRUE(same_bits(fused_plain[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, copy modes off";
     EXPECT_TRUE(same_bits(fused_gather[r].y, fused[r].y)) << c.name << " rank " << r << ": y, token-major";
