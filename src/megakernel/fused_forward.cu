@@ -286,7 +286,7 @@ trace::Sink trace_begin(int grid, int comm_ctas, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaMemsetAsync(t.comm, 0, t.comm_words * 8, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(t.gemm, 0, t.gemm_words * 8, stream));
   MOK_CUDA_CHECK(cudaEventRecord(t.ev[0], stream));
-  return trace::Sink{t.comm, t.gemm + 0};
+  return trace::Sink{t.comm, t.gemm};
 }
 void trace_event(int i, cudaStream_t stream) { MOK_CUDA_CHECK(cudaEventRecord(g_trace.ev[i], stream)); }
 #endif

@@ -41,7 +41,8 @@ struct FusedForwardOptions {
   bool token_major = false;
   // Dedup fan-out: the GEMM CTAs' consumer warps also dispatch the first `help_rows` routed
   // rows (round-robin row tiles over every CTA) before their tasks; -1: automatic (a quarter
-  // of the routed rows without a shared expert, none with one), 0: off. Same bytes.
+  // of the routed rows without a shared expert, none with one), 0: off. Same bytes. Ignored
+  // with the remote / own CTA split of the dispatch (DispatchRole::remote_ctas).
   int64_t help_rows = 0;
 };
 
