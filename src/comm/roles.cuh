@@ -366,21 +366,37 @@ __device__ __forceinline__ void warp_fanout_rows(const FanRow (&job)[R], char* b
   }
 }
 
-// Finished rows (dest[q] >= 0; -1: none): tile_done counts the rows of each tile; whoever
-// lands a tile's last row raises the minibatch's ready counter. Call after __threadfence()
-// that follows the rows' stores (and a __syncwarp, which orders the other lanes' stores before
-// that fence). All R adds are issued before any result is checked, so they are in flight
-// together (one row at a time, a heavy tile's count was a chain of round trips).
+// The fan-out jobs of sources j0 .. j0 + R - 1 of the warp's rows of `tile` (sources past
+// mine.count keep the empty job: no source, no destination). Warp-uniform.
 template <int R>
-__device__ inline void count_dispatched_rows(const DispatchRole& r, const int32_t (&dest)[R]) {
-  uint32_t before[R];
-#pragma unroll
-  for (int q = 0; q < R; ++q) before[q] = dest[q] >= 0 ? atomicAdd(r.tile_done + dest[q] / kRowTile, 1u) : 0u;
+__device__ __forceinline__ void fan_jobs(const DispatchRole& r, const WarpRows& mine, int64_t tile, int j0, int lane,
+                                         FanRow (&job)[R]) {
 #pragma unroll
   for (int q = 0; q < R; ++q) {
-    if (dest[q] >= 0 && before[q] == static_cast<uint32_t>(kRowTile) - 1) {
+    const int j = j0 + q;
+    const RowEntry e = shfl_entry(mine.e, j % 32);
+    const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
+    if (j < mine.count) job[q] = fan_row(r, e, tile * kRowTile + in_tile, lane);  // warp-uniform
+  }
+}
+
+// Finished rows (lane d of job[q] holds the d-th destination row, or -1): tile_done counts the
+// rows of each tile; whoever lands a tile's last row raises the minibatch's ready counter. Call
+// after __threadfence() that follows the rows' stores (and a __syncwarp, which orders the other
+// lanes' stores before that fence). All R adds are issued before any result is checked, so they
+// are in flight together (one row at a time, a heavy tile's count was a chain of round trips).
+template <int R>
+__device__ inline void count_dispatched_rows(const DispatchRole& r, const FanRow (&job)[R]) {
+  uint32_t before[R];
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+    before[q] = job[q].dest >= 0 ? atomicAdd(r.tile_done + job[q].dest / kRowTile, 1u) : 0u;
+  }
+#pragma unroll
+  for (int q = 0; q < R; ++q) {
+    if (job[q].dest >= 0 && before[q] == static_cast<uint32_t>(kRowTile) - 1) {
       __threadfence();  // NOTE: acquire the other writers' counts (relaxed RMW + fence), then release the tile
-      fetch_add_release<Scope::kGpu>(r.ready + dest[q] / kRowTile / r.tiles_per_minibatch, 1u);
+      fetch_add_release<Scope::kGpu>(r.ready + job[q].dest / kRowTile / r.tiles_per_minibatch, 1u);
     }
   }
 }
@@ -401,31 +417,21 @@ __device__ inline void dispatch_fanout_range(const DispatchRole& r, RowSet set, 
     for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
       if (j0 >= mine.count) break;  // warp-uniform
       FanRow job[R];
-#pragma unroll
-      for (int q = 0; q < R; ++q) {
-        const int j = j0 + q;
-        const RowEntry e = shfl_entry(mine.e, j % 32);
-        const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
-        if (j < mine.count) job[q] = fan_row(r, e, tile * kRowTile + in_tile, lane);  // warp-uniform
-      }
+      fan_jobs<R>(r, mine, tile, j0, lane, job);
       warp_fanout_rows<R, V>(job, r.row_buffer, r.row_bytes, lane, StableLoad{});
     }
     if (mine.count == 0) continue;
     __syncwarp();
     __threadfence();  // NOTE: every lane's row stores (ordered by the bar.warp.sync) before the counts
-    // R sources at a time, so that their destination loads and their counter adds overlap
-    // (one source at a time, a heavy tile's count was a chain of two round trips per source).
+    // The same jobs again, R sources at a time, so that their destination loads and their
+    // counter adds overlap (one source at a time, a heavy tile's count was a chain of two round
+    // trips per source). Re-deriving them is cheaper than keeping every round's destinations
+    // in registers.
     for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
       if (j0 >= mine.count) break;  // warp-uniform
-      int32_t dest[R];
-#pragma unroll
-      for (int q = 0; q < R; ++q) {
-        const int j = j0 + q;
-        const RowEntry e = shfl_entry(mine.e, j % 32);
-        const int in_tile = __shfl_sync(0xffffffffu, mine.row, j % 32);
-        dest[q] = j < mine.count ? fan_row(r, e, tile * kRowTile + in_tile, lane).dest : -1;  // warp-uniform
-      }
-      count_dispatched_rows<R>(r, dest);
+      FanRow job[R];
+      fan_jobs<R>(r, mine, tile, j0, lane, job);
+      count_dispatched_rows<R>(r, job);
     }
   }
 }
