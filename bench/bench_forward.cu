@@ -24,8 +24,9 @@
 // in-place combine), same bits. --tiles 1: the same with the in-place combine by row tiles per
 // CTA instead of the schedule's remote-row list (fwd_tiles_ms). --token-major 1: the token-major
 // dispatch with GEMM 1 gathering its rows instead of the fan-out into the expert-major row
-// buffer (fwd_token_major_ms). --help-rows N: the GEMM CTAs also dispatch the first N routed
-// rows (-1: automatic; fwd_help_ms).
+// buffer (fwd_token_major_ms). --help-rows N: the same with FusedForwardOptions::help_rows = N
+// (the GEMM CTAs also dispatch the first N routed rows; -1 automatic = the default, 0 off;
+// fwd_help_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -65,7 +66,8 @@ struct Options {
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false;
-  int64_t help_rows = 0;  // --help-rows: also time the fused forward with FusedForwardOptions::help_rows = N (-1 automatic)
+  bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
+  int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
   std::string trace;  // --trace PREFIX: after each comm count's timing, one more pass written to PREFIX-<shape>-c<C>-r<rank>.bin
@@ -95,7 +97,10 @@ Options parse(int argc, char** argv) {
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
     else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
     else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
-    else if (k == "--help-rows") o.help_rows = std::stoll(v);
+    else if (k == "--help-rows") {
+      o.help_rows = std::stoll(v);
+      o.help_variant = true;
+    }
     else if (k == "--out") o.out = v;
     else if (k == "--trace") o.trace = v;
     else {
@@ -273,7 +278,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
        [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; }},
       {o.tiles, &res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }},
       {o.token_major, &res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; }},
-      {o.help_rows != 0, &res.fused_help_ms, nullptr},
+      {o.help_variant, &res.fused_help_ms, nullptr},
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
@@ -429,15 +434,15 @@ int main(int argc, char** argv) {
     const double best_plain = variant(o.plain, "plain", &RankResult::fused_plain_ms);
     const double best_tiles = variant(o.tiles, "tiles", &RankResult::fused_tiles_ms);
     const double best_token_major = variant(o.token_major, "token_major", &RankResult::fused_token_major_ms);
-    const double best_help = variant(o.help_rows != 0, "help", &RankResult::fused_help_ms);
+    const double best_help = variant(o.help_variant, "help", &RankResult::fused_help_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.plain || o.tiles || o.token_major || o.help_rows != 0) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    if (o.plain || o.tiles || o.token_major || o.help_variant) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.token_major) {
       std::printf("%-7s token-major dispatch + GEMM 1 gathering its rows: best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), best_token_major, ps ? "yes" : "NO");
     }
-    if (o.help_rows != 0) {
+    if (o.help_variant) {
       std::printf("%-7s GEMM CTAs dispatching the first rows (help_rows %lld): best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), static_cast<long long>(o.help_rows), best_help, ps ? "yes" : "NO");
     }

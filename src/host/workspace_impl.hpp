@@ -34,8 +34,8 @@ struct Workspace::Impl {
   // off by default, FusedForwardOptions::token_major). Set before the first forward pass.
   bool dispatch_token_major = false;
   // Fused path, dedup: rows of the dispatch's first tiles the GEMM CTAs help with
-  // (FusedForwardOptions::help_rows; -1 automatic, 0 off). Same bits.
-  int64_t dispatch_help_rows = 0;
+  // (FusedForwardOptions::help_rows; -1 automatic, the default; 0 off). Same bits.
+  int64_t dispatch_help_rows = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

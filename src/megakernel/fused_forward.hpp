@@ -40,10 +40,10 @@ struct FusedForwardOptions {
   // docs/megakernel.md).
   bool token_major = false;
   // Dedup fan-out: the GEMM CTAs' consumer warps also dispatch the first `help_rows` routed
-  // rows (round-robin row tiles over every CTA) before their tasks; -1: automatic (a quarter
-  // of the routed rows without a shared expert, none with one), 0: off. Same bytes. Ignored
-  // with the remote / own CTA split of the dispatch (DispatchRole::remote_ctas).
-  int64_t help_rows = 0;
+  // rows (round-robin row tiles over every CTA) before their tasks; -1 (default): automatic (a
+  // quarter of the routed rows without a shared expert, none with one), 0: off. Same bytes.
+  // Ignored with the remote / own CTA split of the dispatch (DispatchRole::remote_ctas).
+  int64_t help_rows = -1;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

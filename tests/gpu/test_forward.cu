@@ -300,7 +300,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     ws->impl().forward_path = path;
     ws->impl().dispatch_dedup = ws->impl().combine_in_place = modes != CopyModes::kPlain;
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
-    ws->impl().dispatch_help_rows = modes == CopyModes::kHelpAll ? int64_t{1} << 40 : 0;
+    if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
