@@ -100,6 +100,7 @@ CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_ro
   r.own_rows_in_place = own_rows_in_place;
   r.remote_rows = schedule_->remote_rows.get();
   r.remote_count = schedule_->remote_count.get();
+  r.arrivals_offset = layout_.arrivals;
   r.wait = wait_context();
   return r;
 }

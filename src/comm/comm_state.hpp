@@ -75,6 +75,8 @@ class CommState {
   __nv_bfloat16* x_staging() const { return reinterpret_cast<__nv_bfloat16*>(window_->local() + layout_.x); }
   const __nv_bfloat16* slots() const { return reinterpret_cast<const __nv_bfloat16*>(window_->local() + layout_.slots); }
   char* window_local() const { return window_->local(); }
+  // [T] rows pushed into each own token's slots (SymmetricLayout::arrivals; CombineRole::count_arrivals).
+  uint32_t* arrivals() const { return reinterpret_cast<uint32_t*>(window_->local() + layout_.arrivals); }
   __nv_bfloat16* row_buffer() const { return row_buffer_.get(); }
   // [ep * T, H] token-major receive buffer; allocated on first use (token-major dispatch only).
   __nv_bfloat16* recv_buffer();

@@ -15,6 +15,7 @@ const char* wait_site_name(WaitSite site) {
     case WaitSite::kTest: return "test flag";
     case WaitSite::kHiddenRowTile: return "GEMM 1 tiles of a hidden row tile (fused forward)";
     case WaitSite::kBulkCopy: return "bulk-copy stage (TMA copy engine)";
+    case WaitSite::kTokenArrivals: return "rows pushed into a token's combine slots (fused top-k sum)";
   }
   return "unknown wait";
 }

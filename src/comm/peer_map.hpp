@@ -33,11 +33,14 @@ struct PeerMap {
 //   topk[2]      int32  [ep][T*K]       exchanged routing tables, double-buffered by schedule parity
 //   x            bf16   [T, H]          staged (or zero-copy) tokens that peers pull in dispatch
 //   slots        bf16   [T, K, H]       combine slots (token, k), pushed by the expert owners
+//   arrivals     uint32 [T]             rows pushed into token t's slots this pass (the fused
+//                                       forward's top-k sum waits on them; zeroed before each pass)
 struct SymmetricLayout {
   size_t flags = 0;
   size_t topk[2] = {0, 0};
   size_t x = 0;
   size_t slots = 0;
+  size_t arrivals = 0;
   size_t total = 0;
 
   static SymmetricLayout make(const LayerShape& s) {
@@ -55,6 +58,7 @@ struct SymmetricLayout {
     l.topk[1] = take(table);
     l.x = take(static_cast<size_t>(s.tokens) * row);
     l.slots = take(static_cast<size_t>(s.tokens) * s.topk * row);
+    l.arrivals = take(static_cast<size_t>(s.tokens) * sizeof(uint32_t));
     l.total = at;
     return l;
   }

@@ -117,6 +117,12 @@ struct CombineRole {
   // nullptr: row tiles per CTA.
   const int32_t* remote_rows = nullptr;
   const int32_t* remote_count = nullptr;
+  // kWarp: after each warp's batch of rows landed, +1 (release, system scope) per row on
+  // arrivals[token] of the row's source rank (SymmetricLayout::arrivals), so a reader there can
+  // take token t as soon as its slots are complete instead of after a barrier (the fused
+  // forward's top-k sum). false: no counting (the standalone combine, which ends in a barrier).
+  bool count_arrivals = false;
+  size_t arrivals_offset = 0;
 };
 
 struct EpilogueRole {

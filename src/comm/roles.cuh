@@ -537,6 +537,19 @@ __device__ inline bool wait_minibatch_landed(const uint32_t* ready, const Schedu
 
 // ---- combine -------------------------------------------------------------------------------
 
+// Arrival counting (CombineRole::count_arrivals): the word of the row's (token) on its source rank.
+__device__ __forceinline__ uint32_t* arrivals_word(const CombineRole& r, const RowEntry& e) {
+  return reinterpret_cast<uint32_t*>(r.peers.base[e.src_rank] + r.arrivals_offset) + e.token;
+}
+// After a warp's batch of rows: lane q (holding job q's word) adds 1 with release semantics at
+// system scope. NOTE: the __syncwarp orders every lane's stores of the batch before the
+// releasing lanes' adds (the release is cumulative), so a reader that acquires the count sees
+// the whole rows.
+__device__ __forceinline__ void count_arrival(uint32_t* word) {
+  __syncwarp();
+  if (word != nullptr) fetch_add_release<Scope::kSystem>(word, 1u);
+}
+
 // This CTA's tiles of its group. Unlike dispatch, one loop with a run-time row count serves
 // every group and shape (measured as fast as the original: v3 run 1).
 template <class Shape>
@@ -558,6 +571,7 @@ __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
     const WarpRows mine = warp_tile_rows_any<Shape>(r.rows, tile, g.set, r.peers.rank, warp, lane);
     for (int j0 = 0; j0 < mine.count; j0 += R) {
       RowCopy job[R];
+      uint32_t* arrive = nullptr;  // lane q < R: the arrivals word of job q (count_arrivals)
 #pragma unroll
       for (int q = 0; q < R; ++q) {
         const int j = j0 + q;
@@ -567,9 +581,11 @@ __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
           const int64_t slot = static_cast<int64_t>(e.token) * r.topk + e.k;
           job[q].dst = reinterpret_cast<int4*>(r.peers.base[e.src_rank] + r.slots_offset + slot * r.row_bytes);
           job[q].src = reinterpret_cast<const int4*>(r.expert_out + (tile * kRowTile + in_tile) * r.row_bytes);
+          if (lane == q) arrive = arrivals_word(r, e);
         }
       }
       warp_copy_rows<R, V>(job, vecs, lane, FreshLoad{});
+      if (r.count_arrivals) count_arrival(arrive);
     }
   }
 }
@@ -588,6 +604,7 @@ __device__ inline void combine_remote_list(const CombineRole& r, int cta, int nc
   const int64_t n = *r.remote_count;  // written by the schedule kernel, before this kernel
   for (int64_t i0 = gw; i0 < n; i0 += nw * R) {
     RowCopy job[R];
+    uint32_t* arrive = nullptr;  // lane q < R: the arrivals word of job q (count_arrivals)
 #pragma unroll
     for (int q = 0; q < R; ++q) {
       const int64_t i = i0 + q * nw;
@@ -606,8 +623,10 @@ __device__ inline void combine_remote_list(const CombineRole& r, int cta, int nc
       const int64_t slot = static_cast<int64_t>(e.token) * r.topk + e.k;
       job[q].dst = reinterpret_cast<int4*>(r.peers.base[e.src_rank] + r.slots_offset + slot * r.row_bytes);
       job[q].src = reinterpret_cast<const int4*>(r.expert_out + row * r.row_bytes);
+      if (lane == q) arrive = arrivals_word(r, e);
     }
     warp_copy_rows<R, V>(job, vecs, lane, FreshLoad{});
+    if (r.count_arrivals) count_arrival(arrive);
   }
 }
 

@@ -63,6 +63,8 @@ struct KeyParams {
   unsigned long long* owner_rows;  // [ep] routed rows each rank receives (zeroed before)
   int ep;
   DeviceErrorRecord* error;
+  int64_t tokens;      // T per rank
+  int32_t* token_key;  // [T] step 9
 };
 
 __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind kind, int32_t value) {
@@ -90,6 +92,17 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
   p.keys[i] = owner == p.rank ? static_cast<uint32_t>(id - owner * p.local_experts)
                               : static_cast<uint32_t>(p.local_experts);
   p.vals[i] = static_cast<uint32_t>(i);
+  // Step 9: the entry k = 0 of each of this rank's tokens keys the token (ids out of range
+  // count as 0; such a schedule is poisoned and the keys are never used).
+  const int64_t own0 = static_cast<int64_t>(p.rank) * p.tokens * p.topk;
+  if (k == 0 && i >= own0 && i < own0 + p.tokens * p.topk) {
+    int32_t key = 0;
+    for (int j = 0; j < p.topk; ++j) {
+      const int32_t e = p.table[i + j];
+      if (e >= 0 && e < p.experts) key = max(key, static_cast<int32_t>(e % p.local_experts));
+    }
+    p.token_key[(i - own0) / p.topk] = key;
+  }
 }
 
 // Every rank counts the rows of EVERY rank (it holds the global table), so a capacity
@@ -354,6 +367,7 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
       land_rows(config.buffer_rows_per_rank(shape)),
       land_count(1),
       mb_land(ceil_div(config.buffer_rows_per_rank(shape), config.effective_minibatch(shape))),
+      token_key(shape.tokens),
       keys_in(dest_row.size()),
       keys_out(dest_row.size()),
       vals_in(dest_row.size()),
@@ -391,6 +405,7 @@ ScheduleView ScheduleBuffers::view() const {
   v.land_rows = land_rows.get();
   v.land_count = land_count.get();
   v.mb_land = mb_land.get();
+  v.token_key = token_key.get();
   v.buffer_rows = buffer_rows;
   v.minibatch = minibatch;
   v.max_minibatches = max_minibatches;
@@ -410,7 +425,8 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   const int32_t* table = reinterpret_cast<const int32_t*>(l.peers.base[rank] + l.layout.topk[l.parity]);
   MOK_CUDA_CHECK(cudaMemsetAsync(b.owner_rows.get(), 0, b.owner_rows.bytes(), stream));
   KeyParams kp{table, b.entries, s.topk, s.experts, s.local_experts(), rank,
-               b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error};
+               b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error,
+               s.tokens, b.token_key.get()};
   key_kernel<<<grid_for(b.entries, kThreads), kThreads, 0, stream>>>(kp);
   MOK_CUDA_CHECK(cudaGetLastError());
 

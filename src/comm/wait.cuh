@@ -80,8 +80,10 @@ __device__ __forceinline__ bool timed_out_elsewhere(const DeviceErrorRecord* rec
 // Spins until *flag >= expected (acquire at scope S). Returns false after ctx.timeout_ns, or
 // early when another wait of this rank already timed out (one dead peer must not cost one
 // full timeout per waiter). Called by ONE thread; the caller broadcasts the result.
+// sleep_ns: the back-off between polls after the first 1024 (waiters that are many and in no
+// hurry, such as the fused top-k sum's, poll less often).
 template <Scope S, class T>
-__device__ bool wait_geq(const T* flag, T expected, WaitSite site, const WaitContext& ctx) {
+__device__ bool wait_geq(const T* flag, T expected, WaitSite site, const WaitContext& ctx, uint32_t sleep_ns = 64) {
   T seen = load_acquire<S>(flag);
   if (seen >= expected) return true;
   const uint64_t start = global_time_ns();
@@ -96,7 +98,7 @@ __device__ bool wait_geq(const T* flag, T expected, WaitSite site, const WaitCon
         return false;
       }
     }
-    if (spin > 1024) __nanosleep(64);
+    if (spin > 1024) __nanosleep(sleep_ns);
   }
 }
 

@@ -58,6 +58,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.own_rows_in_place = impl.combine_in_place;
     options.token_major = impl.dispatch_token_major;
     options.help_rows = impl.dispatch_help_rows;
+    options.fused_topk_sum = impl.fused_topk_sum;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;

@@ -36,8 +36,13 @@ __device__ void comm_cta(const FusedForwardParams& p, int cta) {
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(n));
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommCombineEnd);)
-  group_barrier_all(p.combine_done, n, p.combine.peers, p.wait);
-  MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier2);)
+  if (p.topk.on) {
+    // Each token is summed once its rows arrived (counted per token): no barrier of all ranks.
+    topk_sum_warp<4>(p.topk, p.wait);
+  } else {
+    group_barrier_all(p.combine_done, n, p.combine.peers, p.wait);
+  }
+  MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommBarrier2);)
 }
 
 // A GEMM CTA's consumer warps take their share of the first row tiles of the dispatch
@@ -77,6 +82,8 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
       if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
       gemm_producer(p, list, *ss, cta, ctas);
+    } else if (threadIdx.x >= 32) {
+      topk_sum_warp<1>(p.topk, p.wait);  // warps 1-3 are idle otherwise (40 registers: one vector in flight)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -89,6 +96,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
           gemm::kWarpGroupThreads);
     }
     gemm_consumer(p, list, *ss, cta, ctas);
+    topk_sum_warp<4>(p.topk, p.wait);  // the tail of the pass: what is left of the sum
   }
 }
 
@@ -218,6 +226,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.s1_done = b.tile_counters.get();
   p.g1_done = p.s1_done + shared_tiles;
   p.g2_done = p.g1_done + routed_tiles;
+  p.s2_done = p.g2_done + routed_tiles;
   p.ready = state.ready_counters();
   p.view = state.view();
   p.wait = state.wait_context();
@@ -245,11 +254,40 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   c.out_ready = p.g2_done;
   c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
   if (!o.combine_remote_list) c.remote_rows = c.remote_count = nullptr;
-  // Barrier epochs in the order every rank issues them.
+  if (o.fused_topk_sum) {
+    c.count_arrivals = true;
+    TopkSumParams& t = p.topk;
+    t.on = true;
+    t.header = p.view.header;
+    t.token_key = p.view.token_key;
+    t.keys = static_cast<int>(E);
+    t.tokens = s.tokens;
+    t.hidden = H;
+    t.topk = static_cast<int>(s.topk);
+    t.topk_w = args.topk_w;
+    t.slots = reinterpret_cast<const char*>(state.slots());
+    t.arrivals = state.arrivals();
+    if (o.own_rows_in_place) {
+      t.own_dest_row = p.view.dest_row + static_cast<int64_t>(state.rank()) * s.tokens * s.topk;
+      t.expert_out = reinterpret_cast<const char*>(b.expert_out.get());
+    }
+    t.g2_done = p.g2_done;
+    t.g2_target = 2u * static_cast<uint32_t>(p.tasks.n2);
+    if (s.has_shared()) {
+      t.shared_out = reinterpret_cast<const char*>(b.shared_out.get());
+      t.s2_done = p.s2_done;
+      t.s2_target = 2u * static_cast<uint32_t>(p.tasks.n2);
+    }
+    t.y = reinterpret_cast<char*>(args.y);
+    t.next_unit = p.s2_done + shared_tiles;
+  }
+  // Barrier epochs in the order every rank issues them (every rank runs the same options).
   p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};
-  p.combine_done = comm::GroupBarrier{
-      state.sync(static_cast<comm::SyncSite>(static_cast<int>(comm::SyncSite::kFirstFree) + 1)), state.layout().flags,
-      state.next_epoch()};
+  if (!o.fused_topk_sum) {
+    p.combine_done = comm::GroupBarrier{
+        state.sync(static_cast<comm::SyncSite>(static_cast<int>(comm::SyncSite::kFirstFree) + 1)),
+        state.layout().flags, state.next_epoch()};
+  }
   return p;
 }
 
@@ -348,14 +386,21 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
+  if (o.fused_topk_sum) {
+    // NOTE: peers add to these only after this pass's first group barrier, which this rank's
+    // kernel (after this memset) opens; last pass's adds all came before its sum finished.
+    MOK_CUDA_CHECK(cudaMemsetAsync(state.arrivals(), 0, state.shape().tokens * sizeof(uint32_t), stream));
+  }
   FusedForwardParams p = make_params(state, b, args, w, o);
   MOK_FWD_TRACE(p.trace = sink; trace_event(1, stream);)
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
   MOK_FWD_TRACE(trace_event(2, stream);)
-  const LayerShape& s = state.shape();
-  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
-                 o.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
+  if (!o.fused_topk_sum) {
+    const LayerShape& s = state.shape();
+    state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
+                   o.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
+  }
   poison_y_on_error(state, args.y, stream);
   MOK_FWD_TRACE(trace_event(3, stream);)
 }

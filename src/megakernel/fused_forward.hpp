@@ -6,8 +6,9 @@
 //   - GEMM CTAs: shared-expert tiles first, then per minibatch GEMM1+SwiGLU (once its rows
 //     arrived) and GEMM2 (once its hidden row tile is complete), publishing per-row-tile
 //     completion counters (src/megakernel/task_list.cuh, fused_roles.cuh).
-// The fixed-order top-k sum epilogue runs as a small kernel after it. Same GEMM tiles, same K
-// order, same epilogues as the staged forward: the bits are the staged forward's bits.
+// The fixed-order top-k sum runs inside it (each token once its rows exist; or, with
+// fused_topk_sum off, as a small kernel after it). Same GEMM tiles, same K order, same
+// epilogues and sums as the staged forward: the bits are the staged forward's bits.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -44,6 +45,10 @@ struct FusedForwardOptions {
   // quarter of the routed rows without a shared expert, none with one), 0: off. Same bytes.
   // Ignored with the remote / own CTA split of the dispatch (DispatchRole::remote_ctas).
   int64_t help_rows = -1;
+  // The fixed-order top-k sum inside the fused kernel (fused_topk_sum.cuh): each token summed
+  // by idle warps as soon as its rows exist (pushed rows counted per token), instead of a
+  // separate epilogue kernel after a barrier of all ranks. Same bits.
+  bool fused_topk_sum = true;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

@@ -11,6 +11,7 @@
 //   s1_done[shared row tile]   shared GEMM1 column blocks written   (target 2 * shared_n1)
 //   g1_done[routed row tile]   routed GEMM1 column blocks written   (target 2 * n1)
 //   g2_done[routed row tile]   routed GEMM2 column blocks written   (target 2 * n2, read by combine)
+//   s2_done[shared row tile]   shared GEMM2 column blocks written   (target 2 * n2, read by the top-k sum)
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -22,6 +23,7 @@
 #include "comm/wait.cuh"
 #include "gemm/sm90_kinds_rows.cuh"
 #include "megakernel/forward_trace.cuh"
+#include "megakernel/fused_topk_sum.cuh"
 #include "megakernel/task_list.cuh"
 
 namespace mok::megakernel {
@@ -68,6 +70,7 @@ struct FusedForwardParams {
   uint32_t* s1_done = nullptr;
   uint32_t* g1_done = nullptr;
   uint32_t* g2_done = nullptr;
+  uint32_t* s2_done = nullptr;      // shared GEMM 2 row tiles (read by the fused top-k sum)
   const uint32_t* ready = nullptr;  // dispatch's per-minibatch counters
   comm::ScheduleView view;
   comm::DispatchRole dispatch;
@@ -79,6 +82,7 @@ struct FusedForwardParams {
   // consumer warps first, before their tasks), the rest by the comm CTAs. 0: comm CTAs only.
   int64_t help_tiles = 0;
   GatherParams gather;
+  TopkSumParams topk;  // the fused top-k sum (fused_topk_sum.cuh); off: the epilogue kernel after this one
   MOK_FWD_TRACE(trace::Sink trace;)
 };
 
@@ -424,8 +428,9 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
     case TaskKind::kSharedGemm1: return p.s1_done + t.row_tile;
     case TaskKind::kGemm1: return p.g1_done + t.row_tile;
     case TaskKind::kGemm2: return p.g2_done + t.row_tile;
-    default: return nullptr;  // shared GEMM2: read by the epilogue kernel after this one
+    case TaskKind::kSharedGemm2: return p.s2_done + t.row_tile;
   }
+  return nullptr;
 }
 
 // Consumer warpgroups (the body of gemm::consumer_warpgroup over the task list).

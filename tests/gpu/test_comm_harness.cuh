@@ -221,6 +221,7 @@ struct RankOutputs {
   std::vector<int64_t> offset, count, mb;
   std::vector<comm::RowEntry> rows, rows_again;
   std::vector<int32_t> dest, remote_rows;  // remote_rows: the first remote_count entries
+  std::vector<int32_t> token_key;          // [T]
   std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant: [padded_rows, H]
   std::vector<std::vector<uint16_t>> slots;       // per combine variant: [T, K, H]
   std::vector<std::vector<uint16_t>> ys;          // per combine variant: the epilogue's y after it
@@ -278,6 +279,7 @@ inline void download_schedule(const comm::CommState& st, RankOutputs& out) {
   int32_t n = 0;
   MOK_CUDA_CHECK(cudaMemcpy(&n, b.remote_count.get(), sizeof(n), cudaMemcpyDeviceToHost));
   out.remote_rows = download(b.remote_rows.get(), static_cast<size_t>(std::max(n, 0)));
+  out.token_key = download(b.token_key.get(), b.token_key.size());
 }
 
 // The whole pipeline on one rank. `sync_ranks` = every rank's stream idle, then a host barrier
@@ -410,6 +412,18 @@ inline void expect_schedule(const CommCase& c, const ref::Schedule& ref,
     EXPECT_EQ(o.mb[2 * max_mb + m], real) << who << ": minibatch " << m << " real rows";
   }
   EXPECT_EQ(o.header.num_minibatches, (rs.padded_rows + mb - 1) / mb) << who;
+  // Token keys (the fused top-k sum's order): the largest local expert index of each own token.
+  ASSERT_EQ(static_cast<int64_t>(o.token_key.size()), s.tokens) << who;
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    int32_t want = 0;
+    for (int k = 0; k < s.topk; ++k) {
+      want = std::max(want, static_cast<int32_t>(routing[r][t * s.topk + k] % s.local_experts()));
+    }
+    if (o.token_key[t] != want) {
+      ADD_FAILURE() << who << ": token_key[" << t << "] = " << o.token_key[t] << ", expected " << want;
+      break;
+    }
+  }
   // Dedup link: the token's first row on this rank (lowest local expert), -1 for that row itself.
   for (int64_t i = 0; i < rs.padded_rows; ++i) {
     const ref::RowRef& row = rs.rows[i];

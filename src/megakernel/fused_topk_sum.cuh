@@ -1,0 +1,183 @@
+// The fixed-order top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum).
+//
+// The separate epilogue kernel (comm::topk_sum_epilogue) ran after the fused kernel and read
+// every (token, k) row at full HBM speed: 0.17-0.27 ms at EP 2, with every SM idle for the
+// GEMMs. Here warps of the fused kernel sum a token as soon as its rows exist:
+//   - own rows in place: GEMM 2 published the row's tile (g2_done);
+//   - rows pushed into the slots (other ranks' experts): arrivals[t] counts them, raised by the
+//     pushing warps with a system-scope release (CombineRole::count_arrivals);
+//   - the shared expert's row: its GEMM 2 tile (s2_done).
+// Who sums: the GEMM CTAs' idle producer warps (1-3) from the start, the consumer warps after
+// their last task, the comm CTAs after their combine. Each warp takes work units from one
+// counter: unit u = (key u / chunks, token chunk u % chunks); it sums the chunk's tokens whose
+// key (the largest local expert index of the token, ScheduleView::token_key) equals the unit's.
+// Every rank walks its local experts in order, so units come in about the order their tokens
+// become complete, and a warp rarely waits long.
+//
+// Bits: each output element is the same fmaf chain as topk_sum_epilogue (shared row or 0, then
+// k = 0..K-1 in order, one rounding); who computes it and when does not change it.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "comm/role_types.hpp"
+#include "comm/roles.cuh"
+#include "comm/wait.cuh"
+
+namespace mok::megakernel {
+
+struct TopkSumParams {
+  bool on = false;
+  const comm::ScheduleHeader* header = nullptr;
+  const int32_t* token_key = nullptr;     // ScheduleView::token_key [T]
+  int keys = 1;                           // E_local: keys lie in [0, keys)
+  int64_t tokens = 0, hidden = 0;
+  int topk = 1;
+  const float* topk_w = nullptr;          // [T, K]
+  const char* slots = nullptr;            // this rank's window slots [T, K, H]
+  const uint32_t* arrivals = nullptr;     // this rank's window [T] (zeroed before the kernel)
+  const int32_t* own_dest_row = nullptr;  // ScheduleView::dest_row + rank*T*K; nullptr: every row from the slots
+  const char* expert_out = nullptr;       // [buffer_rows, H] (GEMM 2 output)
+  const uint32_t* g2_done = nullptr;      // routed GEMM 2 row tiles
+  uint32_t g2_target = 0;
+  const char* shared_out = nullptr;       // [T, H] shared expert output; nullptr: none
+  const uint32_t* s2_done = nullptr;      // shared GEMM 2 row tiles
+  uint32_t s2_target = 0;
+  char* y = nullptr;                      // [T, H]
+  uint32_t* next_unit = nullptr;          // work counter (zeroed before the kernel)
+};
+
+// Tokens per work unit: 8 key reads per lane.
+inline constexpr int kTopkChunk = 256;
+// Poll interval of the sum's waits: hundreds of warps may wait at once; they need not be quick.
+inline constexpr uint32_t kTopkSleepNs = 512;
+
+namespace detail {
+
+__device__ __forceinline__ const int4* shfl_ptr(const int4* p, int src) {
+  const uint64_t v = __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(p), src);
+  return reinterpret_cast<const int4*>(v);
+}
+
+// Waits until token t's rows are final. Lane k (< K) waits for its own row's GEMM 2 tile; lane 0
+// then for the pushed rows (arrivals) and the shared row. The __syncwarp orders every lane's
+// loads after the waiting lanes' acquires. Returns false after a timeout (recorded).
+__device__ inline bool wait_token(const TopkSumParams& s, int64_t t, int lane, int32_t own_row,
+                                  const comm::WaitContext& wait) {
+  using comm::Scope;
+  bool ok = true;
+  if (own_row >= 0) {
+    ok = comm::wait_geq<Scope::kGpu>(s.g2_done + own_row / kRowTile, s.g2_target, comm::WaitSite::kCombineSource,
+                                     wait, kTopkSleepNs);
+  }
+  const uint32_t own = __popc(__ballot_sync(0xffffffffu, own_row >= 0));
+  if (lane == 0) {
+    const uint32_t pushed = static_cast<uint32_t>(s.topk) - own;
+    if (ok && pushed > 0) {
+      ok = comm::wait_geq<Scope::kSystem>(s.arrivals + t, pushed, comm::WaitSite::kTokenArrivals, wait, kTopkSleepNs);
+    }
+    if (ok && s.shared_out != nullptr) {
+      ok = comm::wait_geq<Scope::kGpu>(s.s2_done + t / kRowTile, s.s2_target, comm::WaitSite::kCombineSource, wait,
+                                       kTopkSleepNs);
+    }
+  }
+  const bool all = __all_sync(0xffffffffu, ok);
+  __syncwarp();  // NOTE: the other lanes' loads below come after the acquires above
+  return all;
+}
+
+// y[t] = round(shared[t] (or 0) + sum_k w[t,k] * row(t,k)), k in order; U vectors of 8 columns
+// per lane at a time. 32-bit column indices and per-token base pointers keep the U = 1 variant
+// inside the producer warps' 40 registers.
+template <int U>
+__device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, int32_t own_row) {
+  const int vecs = static_cast<int>(s.hidden / 8);
+  const int K = s.topk;
+  const int4* src = nullptr;
+  float w = 0.0f;
+  if (lane < K) {
+    src = own_row >= 0 ? reinterpret_cast<const int4*>(s.expert_out) + static_cast<int64_t>(own_row) * vecs
+                       : reinterpret_cast<const int4*>(s.slots) + (t * K + lane) * vecs;
+    w = s.topk_w[t * K + lane];
+  }
+  const int4* shared = s.shared_out != nullptr ? reinterpret_cast<const int4*>(s.shared_out) + t * vecs : nullptr;
+  int4* y = reinterpret_cast<int4*>(s.y) + t * vecs;
+  for (int v0 = lane; v0 < vecs; v0 += 32 * U) {
+    float acc[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + 32 * u;
+      if (shared != nullptr && v < vecs) {
+        const int4 a = comm::load_fresh(shared + v);
+        const __nv_bfloat16* ab = reinterpret_cast<const __nv_bfloat16*>(&a);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = __bfloat162float(ab[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+      }
+    }
+#pragma unroll(U > 1 ? 2 : 1)
+    for (int k = 0; k < K; ++k) {  // fixed order 0..K-1 (numerics contract)
+      const int4* row = shfl_ptr(src, k);
+      const float wk = __shfl_sync(0xffffffffu, w, k);
+      int4 val[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (v0 + 32 * u < vecs) val[u] = comm::load_fresh(row + v0 + 32 * u);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const __nv_bfloat16* vb = reinterpret_cast<const __nv_bfloat16*>(&val[u]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk, __bfloat162float(vb[j]), acc[u][j]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + 32 * u;
+      if (v < vecs) {
+        int4 out;
+        __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ob[j] = __float2bfloat16_rn(acc[u][j]);
+        y[v] = out;
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// One warp's share of the top-k sum: work units until none is left (or a wait timed out).
+// U: 16-byte vectors per lane in flight per row (1 for the producer warps' 40 registers).
+template <int U>
+__device__ inline void topk_sum_warp(const TopkSumParams& s, const comm::WaitContext& wait) {
+  if (!s.on || s.header->status != static_cast<int32_t>(Status::kOk)) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t chunks = (s.tokens + kTopkChunk - 1) / kTopkChunk;
+  const int64_t units = chunks * s.keys;
+  for (;;) {
+    uint32_t u = 0;
+    if (lane == 0) u = atomicAdd(s.next_unit, 1u);
+    u = __shfl_sync(0xffffffffu, u, 0);
+    if (u >= units) return;
+    const int32_t key = static_cast<int32_t>(u / chunks);
+    const int64_t t0 = static_cast<int64_t>(u % chunks) * kTopkChunk;
+    for (int j = 0; j < kTopkChunk; j += 32) {
+      const int64_t t = t0 + j + lane;
+      uint32_t mask = __ballot_sync(0xffffffffu, t < s.tokens && __ldg(s.token_key + t) == key);
+      while (mask != 0) {
+        const int64_t token = t0 + j + __ffs(mask) - 1;
+        mask &= mask - 1;
+        const int32_t own_row = s.own_dest_row != nullptr && lane < s.topk ? s.own_dest_row[token * s.topk + lane] : -1;
+        if (!detail::wait_token(s, token, lane, own_row, wait)) return;  // recorded; y is poisoned after the kernel
+        detail::sum_token<U>(s, token, lane, own_row);
+      }
+    }
+  }
+}
+
+}  // namespace mok::megakernel
