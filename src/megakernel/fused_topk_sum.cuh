@@ -56,11 +56,6 @@ inline constexpr uint32_t kTopkSleepNs = 512;
 
 namespace detail {
 
-__device__ __forceinline__ const int4* shfl_ptr(const int4* p, int src) {
-  const uint64_t v = __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(p), src);
-  return reinterpret_cast<const int4*>(v);
-}
-
 // Waits until token t's rows are final. Lane k (< K) waits for its own row's GEMM 2 tile; lane 0
 // then for the pushed rows (arrivals) and the shared row. The __syncwarp orders every lane's
 // loads after the waiting lanes' acquires. Returns false after a timeout (recorded).
@@ -95,16 +90,22 @@ template <int U>
 __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, int32_t own_row) {
   const int vecs = static_cast<int>(s.hidden / 8);
   const int K = s.topk;
-  const int4* src = nullptr;
+  // Lane k < K holds entry k's source as one 32-bit word (shuffled, not a 64-bit pointer):
+  // >= 0 a row of expert_out, < 0 the slot -1 - word (T*K < 2^30: LayerShape::validate).
+  int32_t where = 0;
   float w = 0.0f;
   if (lane < K) {
-    src = own_row >= 0 ? reinterpret_cast<const int4*>(s.expert_out) + static_cast<int64_t>(own_row) * vecs
-                       : reinterpret_cast<const int4*>(s.slots) + (t * K + lane) * vecs;
+    where = own_row >= 0 ? own_row : -1 - static_cast<int32_t>(t * K + lane);
     w = s.topk_w[t * K + lane];
   }
+  const int4* out_rows = reinterpret_cast<const int4*>(s.expert_out);
+  const int4* slot_rows = reinterpret_cast<const int4*>(s.slots);
   const int4* shared = s.shared_out != nullptr ? reinterpret_cast<const int4*>(s.shared_out) + t * vecs : nullptr;
   int4* y = reinterpret_cast<int4*>(s.y) + t * vecs;
-  for (int v0 = lane; v0 < vecs; v0 += 32 * U) {
+  // NOTE: a warp-uniform trip count (lanes past the row's end predicate their loads and
+  // stores): the shuffles below need every lane (H = 128 has 16 vectors per row).
+  for (int base = 0; base < vecs; base += 32 * U) {
+    const int v0 = base + lane;
     float acc[U][8];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -121,12 +122,13 @@ __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, in
     }
 #pragma unroll(U > 1 ? 2 : 1)
     for (int k = 0; k < K; ++k) {  // fixed order 0..K-1 (numerics contract)
-      const int4* row = shfl_ptr(src, k);
+      const int32_t wh = __shfl_sync(0xffffffffu, where, k);
       const float wk = __shfl_sync(0xffffffffu, w, k);
+      const int4* row = wh >= 0 ? out_rows + static_cast<int64_t>(wh) * vecs : slot_rows + static_cast<int64_t>(-1 - wh) * vecs;
       int4 val[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (v0 + 32 * u < vecs) val[u] = comm::load_fresh(row + v0 + 32 * u);
+        val[u] = v0 + 32 * u < vecs ? comm::load_fresh(row + v0 + 32 * u) : make_int4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
