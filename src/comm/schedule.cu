@@ -65,6 +65,7 @@ struct KeyParams {
   DeviceErrorRecord* error;
   int64_t tokens;      // T per rank
   int32_t* token_key;  // [T] step 9
+  int32_t* token_ids;  // [T] 0..T-1 (the sort's values)
 };
 
 __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind kind, int32_t value) {
@@ -102,6 +103,7 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
       if (e >= 0 && e < p.experts) key = max(key, static_cast<int32_t>(e % p.local_experts));
     }
     p.token_key[(i - own0) / p.topk] = key;
+    p.token_ids[(i - own0) / p.topk] = static_cast<int32_t>((i - own0) / p.topk);
   }
 }
 
@@ -368,6 +370,8 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
       land_count(1),
       mb_land(ceil_div(config.buffer_rows_per_rank(shape), config.effective_minibatch(shape))),
       token_key(shape.tokens),
+      token_ids(shape.tokens),
+      token_order(shape.tokens),
       keys_in(dest_row.size()),
       keys_out(dest_row.size()),
       vals_in(dest_row.size()),
@@ -378,9 +382,15 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
   max_minibatches = ceil_div(buffer_rows, minibatch);
   entries = static_cast<int64_t>(dest_row.size());
   key_bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(shape.local_experts()))));
+  token_key_bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(shape.local_experts() - 1))));
   size_t temp_bytes = 0;
   MOK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in.get(), keys_out.get(), vals_in.get(),
                                                  vals_out.get(), entries, 0, key_bits));
+  size_t order_bytes = 0;
+  MOK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, order_bytes, reinterpret_cast<const uint32_t*>(token_key.get()),
+                                                 keys_in.get(), token_ids.get(), token_order.get(), shape.tokens, 0,
+                                                 token_key_bits));
+  temp_bytes = std::max(temp_bytes, order_bytes);
   size_t select_bytes = 0;
   MOK_CUDA_CHECK(cub::DeviceSelect::If(nullptr, select_bytes, thrust::counting_iterator<int32_t>(0), remote_rows.get(),
                                        remote_count.get(), buffer_rows, IsRemoteRow{rows.get(), 0}));
@@ -406,6 +416,7 @@ ScheduleView ScheduleBuffers::view() const {
   v.land_count = land_count.get();
   v.mb_land = mb_land.get();
   v.token_key = token_key.get();
+  v.token_order = token_order.get();
   v.buffer_rows = buffer_rows;
   v.minibatch = minibatch;
   v.max_minibatches = max_minibatches;
@@ -426,7 +437,7 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   MOK_CUDA_CHECK(cudaMemsetAsync(b.owner_rows.get(), 0, b.owner_rows.bytes(), stream));
   KeyParams kp{table, b.entries, s.topk, s.experts, s.local_experts(), rank,
                b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error,
-               s.tokens, b.token_key.get()};
+               s.tokens, b.token_key.get(), b.token_ids.get()};
   key_kernel<<<grid_for(b.entries, kThreads), kThreads, 0, stream>>>(kp);
   MOK_CUDA_CHECK(cudaGetLastError());
 
@@ -463,6 +474,13 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   land_count_kernel<<<grid_for(b.max_minibatches, kThreads), kThreads, 0, stream>>>(
       b.land_rows.get(), b.land_count.get(), b.minibatch, b.max_minibatches, b.mb_land.get());
   MOK_CUDA_CHECK(cudaGetLastError());
+
+  // 9. token order (keys_in is free once step 3 sorted it): stable, so ties keep token order.
+  size_t order_bytes = b.sort_temp.size();
+  MOK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(b.sort_temp.get(), order_bytes,
+                                                 reinterpret_cast<const uint32_t*>(b.token_key.get()), b.keys_in.get(),
+                                                 b.token_ids.get(), b.token_order.get(), s.tokens, 0, b.token_key_bits,
+                                                 stream));
 }
 
 }  // namespace mok::comm

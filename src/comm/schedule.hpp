@@ -20,10 +20,11 @@
 //      entry per (token, source rank) that crosses NVLink, in increasing row order, and how many
 //      of them each minibatch holds: the work list and ready targets of the token-major dispatch
 //      (DispatchRole::token_major), after which GEMM 1 gathers its rows;
-//   9. token keys (in step 2's kernel): for each of this rank's tokens the largest local expert
-//      index (id mod E_local) among its K experts. Every rank walks its local experts in order
-//      (minibatches are expert-major), so a token's last row is ready about when that expert's
-//      rows are: the fused forward's top-k sum takes tokens in increasing key.
+//   9. token order: each of this rank's tokens is keyed (in step 2's kernel) by the largest
+//      local expert index (id mod E_local) among its K experts, then a stable CUB radix sort
+//      orders the tokens by key. Every rank walks its local experts in order (minibatches are
+//      expert-major), so a token's last row is ready about when that expert's rows are: the
+//      fused forward's top-k sum takes tokens in this order.
 // On any routing error or capacity overflow every output is poisoned (-1, minibatches 0) and
 // the header's status says why; the error record holds the details for Workspace::check().
 #pragma once
@@ -75,6 +76,7 @@ struct ScheduleView {
   const int32_t* land_count = nullptr;     // [1] how many (0 when poisoned)
   const int32_t* mb_land = nullptr;        // [max_minibatches] landing-list entries inside minibatch m
   const int32_t* token_key = nullptr;      // [T] largest local expert index of this rank's token t (step 9)
+  const int32_t* token_order = nullptr;    // [T] this rank's tokens by increasing key (stable)
   int64_t buffer_rows = 0;
   int64_t minibatch = 0;                   // rows per minibatch (a multiple of kRowTile)
   int64_t max_minibatches = 0;
@@ -93,7 +95,8 @@ class ScheduleBuffers {
   DeviceBuffer<int64_t> minibatch_ranges;  // [3][max_minibatches]: begin, end, real rows
   DeviceBuffer<int32_t> remote_rows, remote_count;
   DeviceBuffer<int32_t> land_rows, land_count, mb_land;
-  DeviceBuffer<int32_t> token_key;
+  DeviceBuffer<int32_t> token_key, token_ids, token_order;
+  int token_key_bits = 1;
   DeviceBuffer<uint32_t> keys_in, keys_out, vals_in, vals_out;
   DeviceBuffer<unsigned long long> owner_rows;  // [ep] routed rows of every rank (capacity check)
   DeviceBuffer<unsigned char> sort_temp;

@@ -82,8 +82,6 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
       if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
       gemm_producer(p, list, *ss, cta, ctas);
-    } else if (threadIdx.x >= 32) {
-      topk_sum_warp<1>(p.topk, p.wait);  // warps 1-3 are idle otherwise (40 registers: one vector in flight)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -259,8 +257,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     TopkSumParams& t = p.topk;
     t.on = true;
     t.header = p.view.header;
-    t.token_key = p.view.token_key;
-    t.keys = static_cast<int>(E);
+    t.token_order = p.view.token_order;
     t.tokens = s.tokens;
     t.hidden = H;
     t.topk = static_cast<int>(s.topk);

@@ -7,12 +7,13 @@
 //   - rows pushed into the slots (other ranks' experts): arrivals[t] counts them, raised by the
 //     pushing warps with a system-scope release (CombineRole::count_arrivals);
 //   - the shared expert's row: its GEMM 2 tile (s2_done).
-// Who sums: the GEMM CTAs' idle producer warps (1-3) from the start, the consumer warps after
-// their last task, the comm CTAs after their combine. Each warp takes work units from one
-// counter: unit u = (key u / chunks, token chunk u % chunks); it sums the chunk's tokens whose
-// key (the largest local expert index of the token, ScheduleView::token_key) equals the unit's.
-// Every rank walks its local experts in order, so units come in about the order their tokens
-// become complete, and a warp rarely waits long.
+// Who sums: the comm CTAs after their combine (at EP 1 right after the dispatch) and the GEMM
+// CTAs' consumer warps after their last task; each warp takes the next token from one counter,
+// in the schedule's token order (ScheduleView::token_order: by the largest local expert index
+// of the token). Every rank walks its local experts in order, so tokens come in about the order
+// they become complete, and a warp rarely waits long. (The GEMM CTAs' idle producer warps were
+// tried too: with 40 registers one vector in flight, they held tokens for ~60 us each and slowed
+// the GEMM's task hand-off; docs/megakernel.md.)
 //
 // Bits: each output element is the same fmaf chain as topk_sum_epilogue (shared row or 0, then
 // k = 0..K-1 in order, one rounding); who computes it and when does not change it.
@@ -31,8 +32,7 @@ namespace mok::megakernel {
 struct TopkSumParams {
   bool on = false;
   const comm::ScheduleHeader* header = nullptr;
-  const int32_t* token_key = nullptr;     // ScheduleView::token_key [T]
-  int keys = 1;                           // E_local: keys lie in [0, keys)
+  const int32_t* token_order = nullptr;   // ScheduleView::token_order [T]
   int64_t tokens = 0, hidden = 0;
   int topk = 1;
   const float* topk_w = nullptr;          // [T, K]
@@ -49,9 +49,7 @@ struct TopkSumParams {
   uint32_t* next_unit = nullptr;          // work counter (zeroed before the kernel)
 };
 
-// Tokens per work unit: 8 key reads per lane.
-inline constexpr int kTopkChunk = 256;
-// Poll interval of the sum's waits: hundreds of warps may wait at once; they need not be quick.
+// Poll interval of the sum's waits: a hundred warps or more may wait at once; they need not be quick.
 inline constexpr uint32_t kTopkSleepNs = 512;
 
 namespace detail {
@@ -84,8 +82,7 @@ __device__ inline bool wait_token(const TopkSumParams& s, int64_t t, int lane, i
 }
 
 // y[t] = round(shared[t] (or 0) + sum_k w[t,k] * row(t,k)), k in order; U vectors of 8 columns
-// per lane at a time. 32-bit column indices and per-token base pointers keep the U = 1 variant
-// inside the producer warps' 40 registers.
+// per lane at a time.
 template <int U>
 __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, int32_t own_row) {
   const int vecs = static_cast<int>(s.hidden / 8);
@@ -153,32 +150,21 @@ __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, in
 
 }  // namespace detail
 
-// One warp's share of the top-k sum: work units until none is left (or a wait timed out).
-// U: 16-byte vectors per lane in flight per row (1 for the producer warps' 40 registers).
+// One warp's share of the top-k sum: one token at a time, in the schedule's token order, until
+// none is left (or a wait timed out). U: 16-byte vectors per lane in flight per row.
 template <int U>
 __device__ inline void topk_sum_warp(const TopkSumParams& s, const comm::WaitContext& wait) {
   if (!s.on || s.header->status != static_cast<int32_t>(Status::kOk)) return;
   const int lane = threadIdx.x % 32;
-  const int64_t chunks = (s.tokens + kTopkChunk - 1) / kTopkChunk;
-  const int64_t units = chunks * s.keys;
   for (;;) {
     uint32_t u = 0;
     if (lane == 0) u = atomicAdd(s.next_unit, 1u);
     u = __shfl_sync(0xffffffffu, u, 0);
-    if (u >= units) return;
-    const int32_t key = static_cast<int32_t>(u / chunks);
-    const int64_t t0 = static_cast<int64_t>(u % chunks) * kTopkChunk;
-    for (int j = 0; j < kTopkChunk; j += 32) {
-      const int64_t t = t0 + j + lane;
-      uint32_t mask = __ballot_sync(0xffffffffu, t < s.tokens && __ldg(s.token_key + t) == key);
-      while (mask != 0) {
-        const int64_t token = t0 + j + __ffs(mask) - 1;
-        mask &= mask - 1;
-        const int32_t own_row = s.own_dest_row != nullptr && lane < s.topk ? s.own_dest_row[token * s.topk + lane] : -1;
-        if (!detail::wait_token(s, token, lane, own_row, wait)) return;  // recorded; y is poisoned after the kernel
-        detail::sum_token<U>(s, token, lane, own_row);
-      }
-    }
+    if (u >= s.tokens) return;
+    const int64_t token = __ldg(s.token_order + u);
+    const int32_t own_row = s.own_dest_row != nullptr && lane < s.topk ? s.own_dest_row[token * s.topk + lane] : -1;
+    if (!detail::wait_token(s, token, lane, own_row, wait)) return;  // recorded; y is poisoned after the kernel
+    detail::sum_token<U>(s, token, lane, own_row);
   }
 }
 

@@ -221,7 +221,7 @@ struct RankOutputs {
   std::vector<int64_t> offset, count, mb;
   std::vector<comm::RowEntry> rows, rows_again;
   std::vector<int32_t> dest, remote_rows;  // remote_rows: the first remote_count entries
-  std::vector<int32_t> token_key;          // [T]
+  std::vector<int32_t> token_key, token_order;  // [T] each
   std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant: [padded_rows, H]
   std::vector<std::vector<uint16_t>> slots;       // per combine variant: [T, K, H]
   std::vector<std::vector<uint16_t>> ys;          // per combine variant: the epilogue's y after it
@@ -280,6 +280,7 @@ inline void download_schedule(const comm::CommState& st, RankOutputs& out) {
   MOK_CUDA_CHECK(cudaMemcpy(&n, b.remote_count.get(), sizeof(n), cudaMemcpyDeviceToHost));
   out.remote_rows = download(b.remote_rows.get(), static_cast<size_t>(std::max(n, 0)));
   out.token_key = download(b.token_key.get(), b.token_key.size());
+  out.token_order = download(b.token_order.get(), b.token_order.size());
 }
 
 // The whole pipeline on one rank. `sync_ranks` = every rank's stream idle, then a host barrier
@@ -424,6 +425,10 @@ inline void expect_schedule(const CommCase& c, const ref::Schedule& ref,
       break;
     }
   }
+  std::vector<int32_t> order(static_cast<size_t>(s.tokens));
+  for (int64_t t = 0; t < s.tokens; ++t) order[t] = static_cast<int32_t>(t);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return o.token_key[a] < o.token_key[b]; });
+  EXPECT_EQ(first_mismatch(o.token_order, order), -1) << who << ": token_order (tokens by increasing key, stable)";
   // Dedup link: the token's first row on this rank (lowest local expert), -1 for that row itself.
   for (int64_t i = 0; i < rs.padded_rows; ++i) {
     const ref::RowRef& row = rs.rows[i];
