@@ -16,7 +16,7 @@
 //
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--minibatch rows (0 = automatic)]
-//                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--separate-sum 0|1]
+//                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -26,8 +26,8 @@
 // dispatch with GEMM 1 gathering its rows instead of the fan-out into the expert-major row
 // buffer (fwd_token_major_ms). --help-rows N: the same with FusedForwardOptions::help_rows = N
 // (the GEMM CTAs also dispatch the first N routed rows; -1 automatic = the default, 0 off;
-// fwd_help_ms). --separate-sum 1: the same with the top-k sum as a kernel after the fused one
-// (FusedForwardOptions::fused_topk_sum = false; fwd_separate_sum_ms).
+// fwd_help_ms). --fused-sum 1: the same with the top-k sum inside the fused kernel
+// (FusedForwardOptions::fused_topk_sum; fwd_fused_sum_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -66,7 +66,7 @@ struct Options {
   int iters = 10, warmup = 3, ep = 0;
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
-  bool plain = false, tiles = false, token_major = false, separate_sum = false;
+  bool plain = false, tiles = false, token_major = false, fused_sum = false;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int64_t tokens = 0;
@@ -98,7 +98,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
     else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
     else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
-    else if (k == "--separate-sum") o.separate_sum = std::stoi(v) != 0;
+    else if (k == "--fused-sum") o.fused_sum = std::stoi(v) != 0;
     else if (k == "--help-rows") {
       o.help_rows = std::stoll(v);
       o.help_variant = true;
@@ -239,7 +239,7 @@ struct RankResult {
   std::map<int, double> fused_ms;  // comm CTAs -> ms
   std::map<int, double> fused_plain_ms;  // the same with the copy modes off (--plain 1)
   std::map<int, double> fused_tiles_ms;  // in-place combine by row tiles per CTA (--tiles 1)
-  std::map<int, double> fused_separate_sum_ms;  // top-k sum kernel after the fused one (--separate-sum 1)
+  std::map<int, double> fused_sum_ms;  // top-k sum inside the fused kernel (--fused-sum 1)
   std::map<int, double> fused_token_major_ms;  // token-major dispatch + gathering GEMM 1 (--token-major 1)
   std::map<int, double> fused_help_ms;  // GEMM CTAs dispatching the first rows too (--help-rows N)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
@@ -281,7 +281,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
        [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; }},
       {o.tiles, &res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }},
       {o.token_major, &res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; }},
-      {o.separate_sum, &res.fused_separate_sum_ms, [](megakernel::FusedForwardOptions& fo) { fo.fused_topk_sum = false; }},
+      {o.fused_sum, &res.fused_sum_ms, [](megakernel::FusedForwardOptions& fo) { fo.fused_topk_sum = true; }},
       {o.help_variant, &res.fused_help_ms, nullptr},
   };
   auto options_for = [&](int c, Configure configure) {
@@ -438,14 +438,14 @@ int main(int argc, char** argv) {
     const double best_plain = variant(o.plain, "plain", &RankResult::fused_plain_ms);
     const double best_tiles = variant(o.tiles, "tiles", &RankResult::fused_tiles_ms);
     const double best_token_major = variant(o.token_major, "token_major", &RankResult::fused_token_major_ms);
-    const double best_separate = variant(o.separate_sum, "separate_sum", &RankResult::fused_separate_sum_ms);
+    const double best_fused_sum = variant(o.fused_sum, "fused_sum", &RankResult::fused_sum_ms);
     const double best_help = variant(o.help_variant, "help", &RankResult::fused_help_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.plain || o.tiles || o.token_major || o.help_variant || o.separate_sum) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
-    if (o.separate_sum) {
-      std::printf("%-7s top-k sum as a kernel after the fused one: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  best_separate, ps ? "yes" : "NO");
+    if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    if (o.fused_sum) {
+      std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  best_fused_sum, ps ? "yes" : "NO");
     }
     if (o.token_major) {
       std::printf("%-7s token-major dispatch + GEMM 1 gathering its rows: best %.3f ms, same bits: %s\n",

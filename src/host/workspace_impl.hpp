@@ -36,9 +36,9 @@ struct Workspace::Impl {
   // Fused path, dedup: rows of the dispatch's first tiles the GEMM CTAs help with
   // (FusedForwardOptions::help_rows; -1 automatic, the default; 0 off). Same bits.
   int64_t dispatch_help_rows = -1;
-  // Fused path: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum, on);
-  // off: the epilogue kernel after it. Same bits.
-  bool fused_topk_sum = true;
+  // Fused path: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum; off
+  // by default: the epilogue kernel after it). Same bits.
+  bool fused_topk_sum = false;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

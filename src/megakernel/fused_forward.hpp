@@ -6,8 +6,8 @@
 //   - GEMM CTAs: shared-expert tiles first, then per minibatch GEMM1+SwiGLU (once its rows
 //     arrived) and GEMM2 (once its hidden row tile is complete), publishing per-row-tile
 //     completion counters (src/megakernel/task_list.cuh, fused_roles.cuh).
-// The fixed-order top-k sum runs inside it (each token once its rows exist; or, with
-// fused_topk_sum off, as a small kernel after it). Same GEMM tiles, same K order, same
+// The fixed-order top-k sum runs as a small kernel after it (or, with fused_topk_sum, inside
+// it: each token once its rows exist). Same GEMM tiles, same K order, same
 // epilogues and sums as the staged forward: the bits are the staged forward's bits.
 #pragma once
 
@@ -47,8 +47,9 @@ struct FusedForwardOptions {
   int64_t help_rows = -1;
   // The fixed-order top-k sum inside the fused kernel (fused_topk_sum.cuh): each token summed
   // by idle warps as soon as its rows exist (pushed rows counted per token), instead of a
-  // separate epilogue kernel after a barrier of all ranks. Same bits.
-  bool fused_topk_sum = true;
+  // separate epilogue kernel after a barrier of all ranks. Same bits. Off by default until it
+  // ran at EP >= 2 (measured at EP 1 only: qwen3 -1 to -4 %, docs/megakernel.md).
+  bool fused_topk_sum = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

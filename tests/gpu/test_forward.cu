@@ -288,8 +288,8 @@ struct PassBits {
 //   kPlain       plain pull into the row buffer, every slot filled
 //   kTokenMajor  fused only: token-major dispatch, GEMM 1 gathering its rows, in-place combine
 //   kHelpAll     fused only: every CTA (the GEMM CTAs' consumer warps too) dispatches every tile
-//   kSeparateSum fused only: the top-k sum as the epilogue kernel after the fused kernel
-enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kSeparateSum };
+//   kFusedSum    fused only: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum)
+enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -302,7 +302,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     ws->impl().dispatch_dedup = ws->impl().combine_in_place = modes != CopyModes::kPlain;
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
     if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
-    ws->impl().fused_topk_sum = modes != CopyModes::kSeparateSum;
+    ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -345,9 +345,9 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPlain);
   const auto fused_gather = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kTokenMajor);
   const auto fused_help = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kHelpAll);
-  const auto fused_sep = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kSeparateSum);
+  const auto fused_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFusedSum);
   for (int r = 0; r < ep; ++r) {
-    EXPECT_TRUE(same_bits(fused_sep[r].y, fused[r].y)) << c.name << " rank " << r << ": y, top-k sum kernel after";
+    EXPECT_TRUE(same_bits(fused_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, top-k sum in the fused kernel";
     EXPECT_TRUE(same_bits(fused_help[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM CTAs dispatching";
     EXPECT_TRUE(same_bits(fused_help[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, GEMM CTAs dispatching";
     EXPECT_TRUE(same_bits(fused_plain[r].y, fused[r].y)) << c.name << " rank " << r << ": y, copy modes off";
