@@ -59,6 +59,7 @@ namespace {
 using namespace mok;
 using bench::median;
 using bench::time_ms;
+using bench::time_interleaved_ms;
 
 struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
@@ -265,10 +266,11 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   const ForwardArgs args = L.args();
   comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
 
-  // Fused, sweeping the communication CTAs. The variants (--plain, --tiles, --token-major) are
-  // timed right after the default at each comm count (interleaved: clocks drift over a sweep,
-  // measured up to ~20 % on one point, so sweeping one mode after the other biased the
-  // comparison), and their y is compared with the default's.
+  // Fused, sweeping the communication CTAs. At each comm count the default and the variants on
+  // (--plain, --tiles, --token-major, --help-rows, --fused-sum) are timed with their runs
+  // interleaved in A B / B A rounds (timing one after the other read the second slow, whichever
+  // it was: docs/megakernel.md, eighth session), and each variant's y is compared with the
+  // default's.
   using Configure = void (*)(megakernel::FusedForwardOptions&);
   struct Mode {
     bool on;
@@ -301,25 +303,38 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
   }
   for (int c : o.comm) {
+    // The default and the variants on, timed interleaved (time_interleaved_ms).
+    std::vector<const Mode*> on;
+    std::vector<megakernel::FusedForwardOptions> fos;
     for (const Mode& m : modes) {
       if (!m.on) continue;
-      const auto fo = options_for(c, m.configure);
-      (*m.ms)[c] = time_ms(o, sync, st, [&] {
-        schedule(*ws, L.topk_idx.get(), st);
-        megakernel::fused_forward(state, buf, args, w, fo, st);
-      });
-      impl.last_stream = st;
+      on.push_back(&m);
+      fos.push_back(options_for(c, m.configure));
+    }
+    const std::vector<double> ms =
+        time_interleaved_ms(o, sync, st, static_cast<int>(on.size()), [&](int j) {
+          schedule(*ws, L.topk_idx.get(), st);
+          megakernel::fused_forward(state, buf, args, w, fos[j], st);
+        });
+    impl.last_stream = st;
+    ws->check();
+    for (size_t j = 0; j < on.size(); ++j) (*on[j]->ms)[c] = ms[j];
+    for (size_t j = 1; j < on.size(); ++j) {  // each variant's y against the default's
+      MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+      sync.arrive_and_wait();
+      schedule(*ws, L.topk_idx.get(), st);
+      megakernel::fused_forward(state, buf, args, w, fos[j], st);
       ws->check();
-      if (&m != &modes[0]) res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
-      if (&m == &modes[0] && !o.trace.empty()) {  // one more pass, right after the timed ones (steady state)
-        MOK_CUDA_CHECK(cudaStreamSynchronize(st));
-        sync.arrive_and_wait();
-        schedule(*ws, L.topk_idx.get(), st);
-        megakernel::fused_forward(state, buf, args, w, fo, st);
-        ws->check();
-        megakernel::forward_trace_dump(o.trace + "-" + name + "-c" + std::to_string(c) + "-r" +
-                                       std::to_string(lr.rank) + ".bin");
-      }
+      res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+    }
+    if (!o.trace.empty()) {  // one more pass of the default, right after the timed ones (steady state)
+      MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+      sync.arrive_and_wait();
+      schedule(*ws, L.topk_idx.get(), st);
+      megakernel::fused_forward(state, buf, args, w, fos[0], st);
+      ws->check();
+      megakernel::forward_trace_dump(o.trace + "-" + name + "-c" + std::to_string(c) + "-r" +
+                                     std::to_string(lr.rank) + ".bin");
     }
   }
 

@@ -68,4 +68,58 @@ double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op o
   return median(ms);
 }
 
+// The same for n variants of one op (op(j), j in [0, n)) compared with each other: their runs are
+// interleaved, in A B .. then .. B A order on alternate rounds, after a common warm-up, so every
+// variant sees the same clock and temperature. (Timing them one after the other read the second
+// 2-10 % slow at the H200's power cap, whichever it was: docs/megakernel.md, eighth session.)
+// Returns the median per variant.
+template <class Options, class Op>
+std::vector<double> time_interleaved_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, int n, Op op) {
+  cudaEvent_t a, b;
+  MOK_CUDA_CHECK(cudaEventCreate(&a));
+  MOK_CUDA_CHECK(cudaEventCreate(&b));
+  auto run_once = [&](int j) {
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sync.arrive_and_wait();  // every rank starts the iteration together
+    MOK_CUDA_CHECK(cudaEventRecord(a, stream));
+    op(j);
+    MOK_CUDA_CHECK(cudaEventRecord(b, stream));
+    MOK_CUDA_CHECK(cudaEventSynchronize(b));
+    float x = 0;
+    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
+    return static_cast<double>(x);
+  };
+  auto round = [&](int r, std::vector<std::vector<double>>* out) {
+    for (int q = 0; q < n; ++q) {
+      const int j = r % 2 == 0 ? q : n - 1 - q;
+      const double x = run_once(j);
+      if (out != nullptr) (*out)[j].push_back(x);
+    }
+  };
+  std::vector<std::vector<double>> ms(n);
+  for (int i = 0; i < o.warmup; ++i) round(i, i + 1 == o.warmup ? &ms : nullptr);
+  if constexpr (requires { o.warm_ms; }) {
+    if (o.warm_ms > 0) {
+      double last = 0;  // one round's time
+      for (const auto& v : ms) last += v.empty() ? 0.0 : v.back();
+      const int mine = last > 0 ? static_cast<int>(std::ceil(o.warm_ms / last)) : 1;
+      sync.arrive_and_wait();
+      int expected = 0;
+      g_warm_iters.compare_exchange_strong(expected, std::max(mine, 1));
+      sync.arrive_and_wait();
+      const int rounds = g_warm_iters.load();
+      sync.arrive_and_wait();  // every rank has read the count before anyone resets it
+      g_warm_iters.store(0);
+      for (int i = 0; i < rounds; ++i) round(i, nullptr);
+    }
+  }
+  for (auto& v : ms) v.clear();
+  for (int i = 0; i < o.iters; ++i) round(i, &ms);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::vector<double> med;
+  for (const auto& v : ms) med.push_back(median(v));
+  return med;
+}
+
 }  // namespace mok::bench
