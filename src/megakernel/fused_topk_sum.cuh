@@ -117,7 +117,7 @@ __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, in
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
       }
     }
-#pragma unroll(U > 1 ? 2 : 1)
+#pragma unroll(U > 1 ? 4 : 1)
     for (int k = 0; k < K; ++k) {  // fixed order 0..K-1 (numerics contract)
       const int32_t wh = __shfl_sync(0xffffffffu, where, k);
       const float wk = __shfl_sync(0xffffffffu, w, k);
