@@ -30,45 +30,7 @@ inline double median(std::vector<double> v) {
 inline std::atomic<int> g_warm_iters{0};
 
 // Options: any struct with `warmup` and `iters` (and optionally `warm_ms`).
-template <class Options, class Op>
-double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
-  cudaEvent_t a, b;
-  MOK_CUDA_CHECK(cudaEventCreate(&a));
-  MOK_CUDA_CHECK(cudaEventCreate(&b));
-  auto run_once = [&] {
-    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    sync.arrive_and_wait();  // every rank starts the iteration together
-    MOK_CUDA_CHECK(cudaEventRecord(a, stream));
-    op();
-    MOK_CUDA_CHECK(cudaEventRecord(b, stream));
-    MOK_CUDA_CHECK(cudaEventSynchronize(b));
-    float x = 0;
-    MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
-    return static_cast<double>(x);
-  };
-  double last = 0;
-  for (int i = 0; i < o.warmup; ++i) last = run_once();
-  if constexpr (requires { o.warm_ms; }) {
-    if (o.warm_ms > 0) {
-      const int mine = last > 0 ? static_cast<int>(std::ceil(o.warm_ms / last)) : 1;
-      sync.arrive_and_wait();
-      int expected = 0;
-      g_warm_iters.compare_exchange_strong(expected, std::max(mine, 1));
-      sync.arrive_and_wait();
-      const int n = g_warm_iters.load();
-      sync.arrive_and_wait();  // every rank has read the count before anyone resets it
-      g_warm_iters.store(0);
-      for (int i = 0; i < n; ++i) run_once();
-    }
-  }
-  std::vector<double> ms;
-  for (int i = 0; i < o.iters; ++i) ms.push_back(run_once());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(ms);
-}
-
-// The same for n variants of one op (op(j), j in [0, n)) compared with each other: their runs are
+// n variants of one op (op(j), j in [0, n)) compared with each other: their runs are
 // interleaved, in A B .. then .. B A order on alternate rounds, after a common warm-up, so every
 // variant sees the same clock and temperature. (Timing them one after the other read the second
 // 2-10 % slow at the H200's power cap, whichever it was: docs/megakernel.md, eighth session.)
@@ -120,6 +82,13 @@ std::vector<double> time_interleaved_ms(const Options& o, std::barrier<>& sync, 
   std::vector<double> med;
   for (const auto& v : ms) med.push_back(median(v));
   return med;
+}
+
+// One op (time_interleaved_ms with a single variant): `warmup` runs, the steady-state runs, then
+// the median of `iters` timed runs.
+template <class Options, class Op>
+double time_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, Op op) {
+  return time_interleaved_ms(o, sync, stream, 1, [&](int) { op(); })[0];
 }
 
 }  // namespace mok::bench
