@@ -146,7 +146,7 @@ void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, c
   r.hidden = shape_.hidden;
   r.topk = shape_.topk;
   if (own_rows != nullptr) {
-    r.own_dest_row = schedule_->dest_row.get() + static_cast<int64_t>(rank()) * shape_.tokens * shape_.topk;
+    r.own_dest_row = own_dest_row();
     r.expert_out = reinterpret_cast<const char*>(own_rows);
   }
   launch_epilogue(r, stream);

@@ -75,6 +75,11 @@ class CommState {
   __nv_bfloat16* x_staging() const { return reinterpret_cast<__nv_bfloat16*>(window_->local() + layout_.x); }
   const __nv_bfloat16* slots() const { return reinterpret_cast<const __nv_bfloat16*>(window_->local() + layout_.slots); }
   char* window_local() const { return window_->local(); }
+  // [T, K] this rank's row of each own entry (t, k), -1 where another rank owns the expert
+  // (the schedule's dest_row for this rank's tokens; EpilogueRole::own_dest_row).
+  const int32_t* own_dest_row() const {
+    return schedule_->dest_row.get() + static_cast<int64_t>(rank()) * shape_.tokens * shape_.topk;
+  }
   // [T] rows pushed into each own token's slots (SymmetricLayout::arrivals; CombineRole::count_arrivals).
   uint32_t* arrivals() const { return reinterpret_cast<uint32_t*>(window_->local() + layout_.arrivals); }
   __nv_bfloat16* row_buffer() const { return row_buffer_.get(); }

@@ -655,6 +655,27 @@ __device__ inline void combine_push(const CombineRole& r, int cta, int nctas) {
 
 // ---- epilogue (docs/numerics.md, combine epilogue) -----------------------------------------
 
+// The sum's element math on 8 columns (one 16-byte vector of bf16), shared with the fused
+// forward's sum (megakernel/fused_topk_sum.cuh), which must give the same bits: start from the
+// shared expert's value (or 0), one fmaf per k in order, one rounding at the end.
+__device__ __forceinline__ void topk_acc_init(float (&acc)[8], const int4& shared) {
+  const __nv_bfloat16* sb = reinterpret_cast<const __nv_bfloat16*>(&shared);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = __bfloat162float(sb[j]);
+}
+__device__ __forceinline__ void topk_acc_add(float (&acc)[8], float w, const int4& row) {
+  const __nv_bfloat16* vb = reinterpret_cast<const __nv_bfloat16*>(&row);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, __bfloat162float(vb[j]), acc[j]);
+}
+__device__ __forceinline__ int4 topk_acc_round(const float (&acc)[8]) {
+  int4 out;
+  __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) ob[j] = __float2bfloat16_rn(acc[j]);
+  return out;
+}
+
 // Any number of CTAs/threads: one thread per 8 columns of one token.
 __device__ inline void topk_sum_epilogue(const EpilogueRole& r, int64_t first_thread, int64_t nthreads) {
   const int64_t groups = r.hidden / 8;
@@ -663,10 +684,7 @@ __device__ inline void topk_sum_epilogue(const EpilogueRole& r, int64_t first_th
     const int64_t t = g / groups, c = g % groups;
     float acc[8];
     if (r.shared_out != nullptr) {
-      const int4 s = load_fresh(reinterpret_cast<const int4*>(r.shared_out) + t * row_vecs + c);
-      const __nv_bfloat16* sb = reinterpret_cast<const __nv_bfloat16*>(&s);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __bfloat162float(sb[j]);
+      topk_acc_init(acc, load_fresh(reinterpret_cast<const int4*>(r.shared_out) + t * row_vecs + c));
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
@@ -678,16 +696,9 @@ __device__ inline void topk_sum_epilogue(const EpilogueRole& r, int64_t first_th
         const int32_t row = r.own_dest_row[t * r.topk + k];
         if (row >= 0) src = reinterpret_cast<const int4*>(r.expert_out) + row * row_vecs;
       }
-      const int4 v = load_fresh(src + c);
-      const __nv_bfloat16* vb = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fmaf_rn(w, __bfloat162float(vb[j]), acc[j]);
+      topk_acc_add(acc, w, load_fresh(src + c));
     }
-    int4 out;
-    __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) ob[j] = __float2bfloat16_rn(acc[j]);
-    reinterpret_cast<int4*>(r.y)[t * row_vecs + c] = out;
+    reinterpret_cast<int4*>(r.y)[t * row_vecs + c] = topk_acc_round(acc);
   }
 }
 

@@ -265,7 +265,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     t.slots = reinterpret_cast<const char*>(state.slots());
     t.arrivals = state.arrivals();
     if (o.own_rows_in_place) {
-      t.own_dest_row = p.view.dest_row + static_cast<int64_t>(state.rank()) * s.tokens * s.topk;
+      t.own_dest_row = state.own_dest_row();
       t.expert_out = reinterpret_cast<const char*>(b.expert_out.get());
     }
     t.g2_done = p.g2_done;

@@ -108,10 +108,7 @@ __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, in
     for (int u = 0; u < U; ++u) {
       const int v = v0 + 32 * u;
       if (shared != nullptr && v < vecs) {
-        const int4 a = comm::load_fresh(shared + v);
-        const __nv_bfloat16* ab = reinterpret_cast<const __nv_bfloat16*>(&a);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = __bfloat162float(ab[j]);
+        comm::topk_acc_init(acc[u], comm::load_fresh(shared + v));
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
@@ -128,22 +125,12 @@ __device__ inline void sum_token(const TopkSumParams& s, int64_t t, int lane, in
         val[u] = v0 + 32 * u < vecs ? comm::load_fresh(row + v0 + 32 * u) : make_int4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const __nv_bfloat16* vb = reinterpret_cast<const __nv_bfloat16*>(&val[u]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = __fmaf_rn(wk, __bfloat162float(vb[j]), acc[u][j]);
-      }
+      for (int u = 0; u < U; ++u) comm::topk_acc_add(acc[u], wk, val[u]);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = v0 + 32 * u;
-      if (v < vecs) {
-        int4 out;
-        __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ob[j] = __float2bfloat16_rn(acc[u][j]);
-        y[v] = out;
-      }
+      if (v < vecs) y[v] = comm::topk_acc_round(acc[u]);
     }
   }
 }
