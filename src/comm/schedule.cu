@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <numeric>
+#include <vector>
 
 #include "comm/barrier.cuh"
 #include "comm/cuda_check.hpp"
@@ -65,7 +67,6 @@ struct KeyParams {
   DeviceErrorRecord* error;
   int64_t tokens;      // T per rank
   int32_t* token_key;  // [T] step 9
-  int32_t* token_ids;  // [T] 0..T-1 (the sort's values)
 };
 
 __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind kind, int32_t value) {
@@ -103,7 +104,6 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
       if (e >= 0 && e < p.experts) key = max(key, static_cast<int32_t>(e % p.local_experts));
     }
     p.token_key[(i - own0) / p.topk] = key;
-    p.token_ids[(i - own0) / p.topk] = static_cast<int32_t>((i - own0) / p.topk);
   }
 }
 
@@ -398,6 +398,10 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
   MOK_CUDA_CHECK(cub::DeviceSelect::If(nullptr, land_bytes, thrust::counting_iterator<int32_t>(0), land_rows.get(),
                                        land_count.get(), buffer_rows, IsLandRow{rows.get(), 0}));
   sort_temp = DeviceBuffer<unsigned char>(std::max({temp_bytes, select_bytes, land_bytes}));
+  // The token-order sort's values never change (0..T-1): written once here, not per schedule.
+  std::vector<int32_t> ids(static_cast<size_t>(shape.tokens));
+  std::iota(ids.begin(), ids.end(), 0);
+  MOK_CUDA_CHECK(cudaMemcpy(token_ids.get(), ids.data(), token_ids.bytes(), cudaMemcpyHostToDevice));
 }
 
 ScheduleView ScheduleBuffers::view() const {
@@ -437,7 +441,7 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   MOK_CUDA_CHECK(cudaMemsetAsync(b.owner_rows.get(), 0, b.owner_rows.bytes(), stream));
   KeyParams kp{table, b.entries, s.topk, s.experts, s.local_experts(), rank,
                b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error,
-               s.tokens, b.token_key.get(), b.token_ids.get()};
+               s.tokens, b.token_key.get()};
   key_kernel<<<grid_for(b.entries, kThreads), kThreads, 0, stream>>>(kp);
   MOK_CUDA_CHECK(cudaGetLastError());
 

@@ -11,7 +11,7 @@
 //   s1_done[shared row tile]   shared GEMM1 column blocks written   (target 2 * shared_n1)
 //   g1_done[routed row tile]   routed GEMM1 column blocks written   (target 2 * n1)
 //   g2_done[routed row tile]   routed GEMM2 column blocks written   (target 2 * n2, read by combine)
-//   s2_done[shared row tile]   shared GEMM2 column blocks written   (target 2 * n2, read by the top-k sum)
+//   s2_done[shared row tile]   shared GEMM2 column blocks written   (target 2 * n2; only with the fused top-k sum)
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -428,7 +428,8 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
     case TaskKind::kSharedGemm1: return p.s1_done + t.row_tile;
     case TaskKind::kGemm1: return p.g1_done + t.row_tile;
     case TaskKind::kGemm2: return p.g2_done + t.row_tile;
-    case TaskKind::kSharedGemm2: return p.s2_done + t.row_tile;
+    // Only the fused top-k sum reads s2_done: without it the tile is not published (nullptr).
+    case TaskKind::kSharedGemm2: return p.topk.on ? p.s2_done + t.row_tile : nullptr;
   }
   return nullptr;
 }
