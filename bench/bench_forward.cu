@@ -72,7 +72,8 @@ struct Options {
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
-  std::string trace;  // --trace PREFIX: after each comm count's timing, one more pass written to PREFIX-<shape>-c<C>-r<rank>.bin
+  std::string trace;  // --trace PREFIX: after each comm count's timing, one more pass of the default and of each
+                      // variant, written to PREFIX-<shape>[-<variant>]-c<C>-r<rank>.bin
 };
 
 std::vector<std::string> split(const std::string& v) {
@@ -276,15 +277,19 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     bool on;
     std::map<int, double>* ms;
     Configure configure;
+    const char* tag;  // trace file name part ("" for the default)
   };
   const Mode modes[] = {
-      {true, &res.fused_ms, [](megakernel::FusedForwardOptions&) {}},
+      {true, &res.fused_ms, [](megakernel::FusedForwardOptions&) {}, ""},
       {o.plain, &res.fused_plain_ms,
-       [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; }},
-      {o.tiles, &res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; }},
-      {o.token_major, &res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; }},
-      {o.fused_sum, &res.fused_sum_ms, [](megakernel::FusedForwardOptions& fo) { fo.fused_topk_sum = true; }},
-      {o.help_variant, &res.fused_help_ms, nullptr},
+       [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; }, "-plain"},
+      {o.tiles, &res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; },
+       "-tiles"},
+      {o.token_major, &res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; },
+       "-token-major"},
+      {o.fused_sum, &res.fused_sum_ms, [](megakernel::FusedForwardOptions& fo) { fo.fused_topk_sum = true; },
+       "-fused-sum"},
+      {o.help_variant, &res.fused_help_ms, nullptr, "-help"},
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
@@ -327,13 +332,14 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
       ws->check();
       res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
     }
-    if (!o.trace.empty()) {  // one more pass of the default, right after the timed ones (steady state)
+    // One more pass of the default and of each variant, right after the timed ones (steady state).
+    for (size_t j = 0; j < on.size() && !o.trace.empty(); ++j) {
       MOK_CUDA_CHECK(cudaStreamSynchronize(st));
       sync.arrive_and_wait();
       schedule(*ws, L.topk_idx.get(), st);
-      megakernel::fused_forward(state, buf, args, w, fos[0], st);
+      megakernel::fused_forward(state, buf, args, w, fos[j], st);
       ws->check();
-      megakernel::forward_trace_dump(o.trace + "-" + name + "-c" + std::to_string(c) + "-r" +
+      megakernel::forward_trace_dump(o.trace + "-" + name + on[j]->tag + "-c" + std::to_string(c) + "-r" +
                                      std::to_string(lr.rank) + ".bin");
     }
   }

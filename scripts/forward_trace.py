@@ -10,7 +10,9 @@ src/megakernel/forward_trace.cuh) and prints, per file:
   - the GEMM CTAs: span, time inside tiles per task kind, and the time the consumer had
     nothing to do because the task's inputs were not there yet (producer's input wait that
     ended after the consumer finished its previous tile), per kind;
-  - a timeline in bins: the fraction of GEMM CTAs inside a tile of each kind.
+  - a timeline in bins: the fraction of GEMM CTAs inside a tile of each kind;
+  - with the fused top-k sum (version-2 files): when tokens were claimed, ready and summed,
+    by comm CTAs or GEMM CTAs, and the tail after the last GEMM tile.
 
 usage: scripts/forward_trace.py FILE... [--bins 20]
 """
@@ -28,14 +30,20 @@ def load(path):
     with open(path, "rb") as f:
         raw = f.read()
     h = struct.unpack("<10q", raw[:80])
-    if h[0] != MAGIC or h[1] != 1:
-        sys.exit(f"{path}: not a version-1 forward trace")
+    if h[0] != MAGIC or h[1] not in (1, 2):
+        sys.exit(f"{path}: not a version-1 or -2 forward trace")
     grid, comm_ctas, max_tasks, cf, tf = h[2:7]
     phases_ms = [x / 1e6 for x in h[7:10]]
     words = np.frombuffer(raw[80:], dtype=np.uint64)
-    comm = words[: comm_ctas * cf].reshape(comm_ctas, cf).astype(np.int64)
-    gemm = words[comm_ctas * cf:].reshape(grid - comm_ctas, max_tasks, tf).astype(np.int64)
-    return dict(grid=grid, comm_ctas=comm_ctas, phases_ms=phases_ms, comm=comm, gemm=gemm)
+    nc, ng = comm_ctas * cf, (grid - comm_ctas) * max_tasks * tf
+    comm = words[:nc].reshape(comm_ctas, cf).astype(np.int64)
+    gemm = words[nc:nc + ng].reshape(grid - comm_ctas, max_tasks, tf).astype(np.int64)
+    tokens = None
+    if h[1] == 2:
+        n = int(words[nc + ng])
+        if n > 0:
+            tokens = words[nc + ng + 1:].reshape(n, 4).astype(np.int64)  # claim, ready, done, who
+    return dict(grid=grid, comm_ctas=comm_ctas, phases_ms=phases_ms, comm=comm, gemm=gemm, tokens=tokens)
 
 
 def report(path, t, bins):
@@ -48,7 +56,8 @@ def report(path, t, bins):
     print(f"== {path}: grid {t['grid']}, comm CTAs {t['comm_ctas']}")
     print(f"host events: before kernel {pre:.3f} ms, kernel {kern:.3f} ms, after {post:.3f} ms, "
           f"total {pre + kern + post:.3f} ms")
-    names = ["start", "barrier 1", "dispatch end", "combine end", "barrier 2"]
+    last = "sum end" if t["tokens"] is not None else "barrier 2"  # the fused sum replaces barrier 2
+    names = ["start", "barrier 1", "dispatch end", "combine end", last]
     row = ", ".join(f"{n} {np.median(ms(comm[:, i])):.3f}/{ms(comm[:, i]).max():.3f}" for i, n in enumerate(names))
     print(f"comm CTAs (ms, median/max): {row}")
     end = max(comm[:, 4].max(), gemm[:, :, 4].max())
@@ -94,6 +103,8 @@ def report(path, t, bins):
             parts.append(f"m{m} {ms(gemm[:, :, 1][sel]).min():.3f}/{ms(gemm[:, :, 2][sel]).min():.3f}/"
                          f"{ms(gemm[:, :, 4][sel]).max():.3f}")
         print("G1(m) inputs first ready / first tile start / last tile end (ms): " + ", ".join(parts))
+    if t["tokens"] is not None:
+        report_tokens(t, ms, last_end, t0)
     # Timeline: fraction of GEMM CTAs inside a tile of each kind per bin.
     edges = np.linspace(0, span, bins + 1)
     print(f"timeline ({bins} bins of {span / bins * 1e3:.0f} us): fraction of GEMM CTAs in S1 S2 G1 G2 | "
@@ -107,6 +118,29 @@ def report(path, t, bins):
         c = np.clip(np.minimum(ms(comm[:, 3]), hi) - np.maximum(ms(comm[:, 2]), lo), 0, None).sum()
         nc = max(1, comm.shape[0]) * (hi - lo)
         print(f"  {lo:6.3f}-{hi:6.3f}  " + " ".join(f"{x:4.2f}" for x in fr) + f" | {d / nc:4.2f} {c / nc:4.2f}")
+
+
+def report_tokens(t, ms, last_end, t0):
+    tok = t["tokens"]
+    done = tok[:, 2] > 0
+    if not done.any():
+        print("fused top-k sum: no token stamped")
+        return
+    claim, ready, fin = ms(tok[:, 0]), ms(tok[:, 1]), ms(tok[:, 2])
+    by_comm = tok[:, 3] < t["comm_ctas"]
+    n = int(done.sum())
+    tail0 = np.median(last_end)
+    tail = done & (fin > tail0)
+    print(f"fused top-k sum: {n} tokens, {int((done & by_comm).sum())} by comm CTAs; waited for rows (ready - claim) "
+          f"mean {1e3 * (ready - claim)[done].mean():.1f} us, summing (done - ready) mean {1e3 * (fin - ready)[done].mean():.1f} us "
+          f"(comm {1e3 * (fin - ready)[done & by_comm].mean() if (done & by_comm).any() else 0:.1f}, "
+          f"GEMM {1e3 * (fin - ready)[done & ~by_comm].mean() if (done & ~by_comm).any() else 0:.1f})")
+    print(f"  after the median last GEMM tile ({tail0:.3f} ms): {int(tail.sum())} tokens summed "
+          f"({int((tail & (claim > tail0)).sum())} claimed only then), last done {fin[done].max():.3f} ms")
+    edges = np.quantile(fin[done], [0.1, 0.25, 0.5, 0.75, 0.9, 0.99])
+    rq = np.quantile(ready[done], [0.1, 0.25, 0.5, 0.75, 0.9, 0.99])
+    print("  quantiles 10/25/50/75/90/99 %: ready " + " ".join(f"{x:.3f}" for x in rq) +
+          " | done " + " ".join(f"{x:.3f}" for x in edges) + " ms")
 
 
 def main():

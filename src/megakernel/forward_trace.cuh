@@ -6,6 +6,8 @@
 //   comm CTA c:       comm[c * kCommFields + f], f = CommField
 //   GEMM CTA g, task j of its own (task g + j * (G - C) of the list):
 //                     gemm[(g * kMaxTasks + j) * kTaskFields + f], f = TaskField
+//   fused top-k sum, the u-th token of the schedule's token order:
+//                     tokens[u * kTokenFields + f], f = TokenField
 // The stamps are taken by one thread per role (producer thread, thread 0 of consumer
 // warpgroup 0, thread 0 of a comm CTA); globaltimer ticks in ~32 ns steps on H100/H200, enough
 // for tiles of 10-100 us.
@@ -32,10 +34,18 @@ enum TaskField : int {
   kTaskFields
 };
 inline constexpr int kMaxTasks = 1024;  // per GEMM CTA; tasks beyond are not recorded
+enum TokenField : int {
+  kTokenClaim,  // lane 0 took the token from the counter
+  kTokenReady,  // its rows were final (the waits returned)
+  kTokenDone,   // its y row was stored
+  kTokenWho,    // blockIdx.x of the summing warp (< comm CTAs: a comm CTA)
+  kTokenFields
+};
 
 struct Sink {
   uint64_t* comm = nullptr;
   uint64_t* gemm = nullptr;
+  uint64_t* tokens = nullptr;  // [T * kTokenFields] with the fused top-k sum, else nullptr
 };
 
 #if defined(MOK_FORWARD_TRACE) && defined(__CUDACC__)
@@ -49,6 +59,9 @@ __device__ __forceinline__ void comm_stamp(const Sink& s, int cta, CommField f) 
 }
 __device__ __forceinline__ void task_stamp(const Sink& s, int cta, int j, TaskField f) {
   if (j < kMaxTasks) s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + f] = now();
+}
+__device__ __forceinline__ void token_stamp(uint64_t* tokens, uint32_t u, TokenField f, uint64_t v) {
+  if (tokens != nullptr) tokens[static_cast<int64_t>(u) * kTokenFields + f] = v;
 }
 __device__ __forceinline__ void task_desc(const Sink& s, int cta, int j, int kind, int minibatch, int n_tile,
                                           int row_tile) {

@@ -296,13 +296,14 @@ struct TraceState {
   int device = -1, grid = 0, comm_ctas = 0;
   uint64_t* comm = nullptr;
   uint64_t* gemm = nullptr;
-  size_t comm_words = 0, gemm_words = 0;
+  uint64_t* tokens = nullptr;  // fused top-k sum stamps (forward_trace.cuh), grown on demand
+  size_t comm_words = 0, gemm_words = 0, token_words = 0, token_cap = 0;
   cudaEvent_t ev[4] = {};
   bool recorded = false;
 };
 thread_local TraceState g_trace;
 
-trace::Sink trace_begin(int grid, int comm_ctas, cudaStream_t stream) {
+trace::Sink trace_begin(int grid, int comm_ctas, int64_t sum_tokens, cudaStream_t stream) {
   TraceState& t = g_trace;
   int device = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
@@ -315,13 +316,20 @@ trace::Sink trace_begin(int grid, int comm_ctas, cudaStream_t stream) {
     for (cudaEvent_t& e : t.ev) MOK_CUDA_CHECK(cudaEventCreate(&e));
     t.device = device;
   }
+  t.token_words = static_cast<size_t>(sum_tokens) * trace::kTokenFields;
+  if (t.token_words > t.token_cap) {
+    if (t.tokens != nullptr) MOK_CUDA_CHECK(cudaFree(t.tokens));
+    MOK_CUDA_CHECK(cudaMalloc(&t.tokens, t.token_words * 8));
+    t.token_cap = t.token_words;
+  }
   t.grid = grid;
   t.comm_ctas = comm_ctas;
   t.recorded = true;
   MOK_CUDA_CHECK(cudaMemsetAsync(t.comm, 0, t.comm_words * 8, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(t.gemm, 0, t.gemm_words * 8, stream));
+  if (t.token_words > 0) MOK_CUDA_CHECK(cudaMemsetAsync(t.tokens, 0, t.token_words * 8, stream));
   MOK_CUDA_CHECK(cudaEventRecord(t.ev[0], stream));
-  return trace::Sink{t.comm, t.gemm};
+  return trace::Sink{t.comm, t.gemm, t.token_words > 0 ? t.tokens : nullptr};
 }
 void trace_event(int i, cudaStream_t stream) { MOK_CUDA_CHECK(cudaEventRecord(g_trace.ev[i], stream)); }
 #endif
@@ -341,21 +349,26 @@ void forward_trace_dump(const std::string& path) {
   TraceState& t = g_trace;
   if (!t.recorded) throw_invalid("forward_trace_dump", "a fused_forward() call on this thread first", "none");
   MOK_CUDA_CHECK(cudaEventSynchronize(t.ev[3]));
-  std::vector<uint64_t> comm(t.comm_words), gemm(t.gemm_words);
+  std::vector<uint64_t> comm(t.comm_words), gemm(t.gemm_words), tokens(t.token_words);
   MOK_CUDA_CHECK(cudaMemcpy(comm.data(), t.comm, comm.size() * 8, cudaMemcpyDeviceToHost));
   MOK_CUDA_CHECK(cudaMemcpy(gemm.data(), t.gemm, gemm.size() * 8, cudaMemcpyDeviceToHost));
+  if (!tokens.empty()) MOK_CUDA_CHECK(cudaMemcpy(tokens.data(), t.tokens, tokens.size() * 8, cudaMemcpyDeviceToHost));
   float ms[3] = {};
   for (int i = 0; i < 3; ++i) MOK_CUDA_CHECK(cudaEventElapsedTime(&ms[i], t.ev[i], t.ev[i + 1]));
   // Header: magic, version, grid, comm CTAs, max tasks, comm fields, task fields, then the
   // host-event phases in ns: before the kernel (segments, x staging, memsets), the kernel,
-  // after it (top-k sum epilogue, poison check).
-  const int64_t header[10] = {0x52544457464b4f4dLL, 1, t.grid, t.comm_ctas, trace::kMaxTasks, trace::kCommFields,
+  // after it (top-k sum epilogue, poison check). Version 2 appends the fused top-k sum's
+  // token count (0 without it) and its per-token stamps.
+  const int64_t header[10] = {0x52544457464b4f4dLL, 2, t.grid, t.comm_ctas, trace::kMaxTasks, trace::kCommFields,
                               trace::kTaskFields, int64_t(ms[0] * 1e6), int64_t(ms[1] * 1e6), int64_t(ms[2] * 1e6)};
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) throw_invalid("forward_trace_dump path", "a writable file", path);
   std::fwrite(header, sizeof(header), 1, f);
   std::fwrite(comm.data(), 8, static_cast<size_t>(t.comm_ctas) * trace::kCommFields, f);
   std::fwrite(gemm.data(), 8, static_cast<size_t>(t.grid - t.comm_ctas) * trace::kMaxTasks * trace::kTaskFields, f);
+  const int64_t token_count = static_cast<int64_t>(t.token_words / trace::kTokenFields);
+  std::fwrite(&token_count, 8, 1, f);
+  std::fwrite(tokens.data(), 8, tokens.size(), f);
   const bool ok = std::fclose(f) == 0;
   if (!ok) throw_invalid("forward_trace_dump path", "a writable file", path);
 #else
@@ -376,7 +389,8 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
                    const FusedForwardOptions& o, cudaStream_t stream) {
   const int grid = resolve_grid(o);
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
-  MOK_FWD_TRACE(const trace::Sink sink = trace_begin(grid, o.comm_ctas, stream);)
+  MOK_FWD_TRACE(const trace::Sink sink =
+                    trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
   convert_segments(state, b, stream);
   state.stage_x(args.x, stream);
@@ -389,7 +403,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
     MOK_CUDA_CHECK(cudaMemsetAsync(state.arrivals(), 0, state.shape().tokens * sizeof(uint32_t), stream));
   }
   FusedForwardParams p = make_params(state, b, args, w, o);
-  MOK_FWD_TRACE(p.trace = sink; trace_event(1, stream);)
+  MOK_FWD_TRACE(p.trace = sink; p.topk.trace_tokens = sink.tokens; trace_event(1, stream);)
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
   MOK_FWD_TRACE(trace_event(2, stream);)

@@ -26,6 +26,7 @@
 #include "comm/role_types.hpp"
 #include "comm/roles.cuh"
 #include "comm/wait.cuh"
+#include "megakernel/forward_trace.cuh"
 
 namespace mok::megakernel {
 
@@ -47,6 +48,7 @@ struct TopkSumParams {
   uint32_t s2_target = 0;
   char* y = nullptr;                      // [T, H]
   uint32_t* next_unit = nullptr;          // work counter (zeroed before the kernel)
+  MOK_FWD_TRACE(uint64_t* trace_tokens = nullptr;)  // trace build: per-token stamps (forward_trace.cuh)
 };
 
 // Poll interval of the sum's waits: a hundred warps or more may wait at once; they need not be quick.
@@ -148,10 +150,16 @@ __device__ inline void topk_sum_warp(const TopkSumParams& s, const comm::WaitCon
     if (lane == 0) u = atomicAdd(s.next_unit, 1u);
     u = __shfl_sync(0xffffffffu, u, 0);
     if (u >= s.tokens) return;
+    MOK_FWD_TRACE(if (lane == 0) trace::token_stamp(s.trace_tokens, u, trace::kTokenClaim, trace::now());)
     const int64_t token = __ldg(s.token_order + u);
     const int32_t own_row = s.own_dest_row != nullptr && lane < s.topk ? s.own_dest_row[token * s.topk + lane] : -1;
     if (!detail::wait_token(s, token, lane, own_row, wait)) return;  // recorded; y is poisoned after the kernel
+    MOK_FWD_TRACE(if (lane == 0) trace::token_stamp(s.trace_tokens, u, trace::kTokenReady, trace::now());)
     detail::sum_token<U>(s, token, lane, own_row);
+    MOK_FWD_TRACE(if (lane == 0) {
+      trace::token_stamp(s.trace_tokens, u, trace::kTokenDone, trace::now());
+      trace::token_stamp(s.trace_tokens, u, trace::kTokenWho, blockIdx.x);
+    })
   }
 }
 
