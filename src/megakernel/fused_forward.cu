@@ -94,7 +94,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
           gemm::kWarpGroupThreads);
     }
     gemm_consumer(p, list, *ss, cta, ctas);
-    topk_sum_warp<4>(p.topk, p.wait);  // the tail of the pass: what is left of the sum
+    topk_sum_warp<8>(p.topk, p.wait);  // the tail of the pass: what is left of the sum
   }
 }
 
