@@ -17,6 +17,7 @@
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
+//                 [--join N]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -27,7 +28,9 @@
 // buffer (fwd_token_major_ms). --help-rows N: the same with FusedForwardOptions::help_rows = N
 // (the GEMM CTAs also dispatch the first N routed rows; -1 automatic = the default, 0 off;
 // fwd_help_ms). --fused-sum 1: the same with the top-k sum inside the fused kernel
-// (FusedForwardOptions::fused_topk_sum; fwd_fused_sum_ms).
+// (FusedForwardOptions::fused_topk_sum; fwd_fused_sum_ms). --join N: the same with
+// FusedForwardOptions::join_gemm = N (comm CTAs taking GEMM tasks after their dispatch share;
+// -1 automatic = the default, 0 none; at EP >= 2 capped at the comm count - 1; fwd_join_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -68,6 +71,8 @@ struct Options {
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false, fused_sum = false;
+  bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
+  int join = -1;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int64_t tokens = 0;
@@ -101,6 +106,10 @@ Options parse(int argc, char** argv) {
     else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
     else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
     else if (k == "--fused-sum") o.fused_sum = std::stoi(v) != 0;
+    else if (k == "--join") {
+      o.join = std::stoi(v);
+      o.join_variant = true;
+    }
     else if (k == "--help-rows") {
       o.help_rows = std::stoll(v);
       o.help_variant = true;
@@ -244,6 +253,7 @@ struct RankResult {
   std::map<int, double> fused_sum_ms;  // top-k sum inside the fused kernel (--fused-sum 1)
   std::map<int, double> fused_token_major_ms;  // token-major dispatch + gathering GEMM 1 (--token-major 1)
   std::map<int, double> fused_help_ms;  // GEMM CTAs dispatching the first rows too (--help-rows N)
+  std::map<int, double> fused_join_ms;  // comm CTAs taking GEMM tasks (--join N)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
@@ -268,11 +278,11 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
 
   // Fused, sweeping the communication CTAs. At each comm count the default and the variants on
-  // (--plain, --tiles, --token-major, --help-rows, --fused-sum) are timed with their runs
+  // (--plain, --tiles, --token-major, --help-rows, --fused-sum, --join) are timed with their runs
   // interleaved in A B / B A rounds (timing one after the other read the second slow, whichever
   // it was: docs/megakernel.md, eighth session), and each variant's y is compared with the
   // default's.
-  using Configure = void (*)(megakernel::FusedForwardOptions&);
+  using Configure = void (*)(megakernel::FusedForwardOptions&, const Options&);
   struct Mode {
     bool on;
     std::map<int, double>* ms;
@@ -280,23 +290,30 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     const char* tag;  // trace file name part ("" for the default)
   };
   const Mode modes[] = {
-      {true, &res.fused_ms, [](megakernel::FusedForwardOptions&) {}, ""},
+      {true, &res.fused_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, ""},
       {o.plain, &res.fused_plain_ms,
-       [](megakernel::FusedForwardOptions& fo) { fo.dedup = fo.own_rows_in_place = fo.token_major = false; }, "-plain"},
-      {o.tiles, &res.fused_tiles_ms, [](megakernel::FusedForwardOptions& fo) { fo.combine_remote_list = false; },
-       "-tiles"},
-      {o.token_major, &res.fused_token_major_ms, [](megakernel::FusedForwardOptions& fo) { fo.token_major = true; },
-       "-token-major"},
-      {o.fused_sum, &res.fused_sum_ms, [](megakernel::FusedForwardOptions& fo) { fo.fused_topk_sum = true; },
-       "-fused-sum"},
-      {o.help_variant, &res.fused_help_ms, nullptr, "-help"},
+       [](megakernel::FusedForwardOptions& fo, const Options&) {
+         fo.dedup = fo.own_rows_in_place = fo.token_major = false;
+       },
+       "-plain"},
+      {o.tiles, &res.fused_tiles_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.combine_remote_list = false; }, "-tiles"},
+      {o.token_major, &res.fused_token_major_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.token_major = true; }, "-token-major"},
+      {o.fused_sum, &res.fused_sum_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.fused_topk_sum = true; }, "-fused-sum"},
+      {o.help_variant, &res.fused_help_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.help_rows = op.help_rows; }, "-help"},
+      {o.join_variant, &res.fused_join_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.join_gemm = op.join; }, "-join"},
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
     fo.comm_ctas = c;
     fo.timeout_s = cfg.wait_timeout_s;
-    if (configure != nullptr) configure(fo);
-    else fo.help_rows = o.help_rows;  // the --help-rows variant
+    configure(fo, o);
+    // --join N is capped so that one comm CTA still combines at EP >= 2 (a sweep may go below N).
+    if (fo.join_gemm > 0) fo.join_gemm = std::min(fo.join_gemm, c - (s.ep > 1 ? 1 : 0));
     return fo;
   };
   {  // the default's y: the reference of the variants' bits
@@ -461,9 +478,10 @@ int main(int argc, char** argv) {
     const double best_token_major = variant(o.token_major, "token_major", &RankResult::fused_token_major_ms);
     const double best_fused_sum = variant(o.fused_sum, "fused_sum", &RankResult::fused_sum_ms);
     const double best_help = variant(o.help_variant, "help", &RankResult::fused_help_ms);
+    const double best_join = variant(o.join_variant, "join", &RankResult::fused_join_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
                   best_fused_sum, ps ? "yes" : "NO");
@@ -475,6 +493,10 @@ int main(int argc, char** argv) {
     if (o.help_variant) {
       std::printf("%-7s GEMM CTAs dispatching the first rows (help_rows %lld): best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), static_cast<long long>(o.help_rows), best_help, ps ? "yes" : "NO");
+    }
+    if (o.join_variant) {
+      std::printf("%-7s comm CTAs taking GEMM tasks (join_gemm %d): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  o.join, best_join, ps ? "yes" : "NO");
     }
     if (o.tiles) {
       std::printf("%-7s in-place combine by row tiles per CTA: best %.3f ms\n", o.shapes[i].c_str(), best_tiles);

@@ -30,16 +30,21 @@ def load(path):
     with open(path, "rb") as f:
         raw = f.read()
     h = struct.unpack("<10q", raw[:80])
-    if h[0] != MAGIC or h[1] not in (1, 2):
-        sys.exit(f"{path}: not a version-1 or -2 forward trace")
+    if h[0] != MAGIC or h[1] not in (1, 2, 3):
+        sys.exit(f"{path}: not a version-1, -2 or -3 forward trace")
     grid, comm_ctas, max_tasks, cf, tf = h[2:7]
     phases_ms = [x / 1e6 for x in h[7:10]]
     words = np.frombuffer(raw[80:], dtype=np.uint64)
-    nc, ng = comm_ctas * cf, (grid - comm_ctas) * max_tasks * tf
+    rows = grid if h[1] >= 3 else grid - comm_ctas  # v3: comm CTAs that joined the GEMM work too
+    nc, ng = comm_ctas * cf, rows * max_tasks * tf
     comm = words[:nc].reshape(comm_ctas, cf).astype(np.int64)
-    gemm = words[nc:nc + ng].reshape(grid - comm_ctas, max_tasks, tf).astype(np.int64)
+    gemm = words[nc:nc + ng].reshape(rows, max_tasks, tf).astype(np.int64)
+    if h[1] >= 3:  # keep the GEMM CTAs and the comm CTAs that ran tasks
+        ran = (gemm[:, :, 4] > 0).any(axis=1)
+        ran[: grid - comm_ctas] = True
+        gemm = gemm[ran]
     tokens = None
-    if h[1] == 2:
+    if h[1] >= 2:
         n = int(words[nc + ng])
         if n > 0:
             tokens = words[nc + ng + 1:].reshape(n, 4).astype(np.int64)  # claim, ready, done, who
@@ -73,7 +78,8 @@ def report(path, t, bins):
     work = np.where(valid, tile - late, 0)
     ng = gemm.shape[0]
     last_end = np.array([ms(gemm[c, valid[c], 4]).max() if valid[c].any() else 0 for c in range(ng)])
-    print(f"span {span:.3f} ms; GEMM CTAs {ng}: last tile ends at {np.median(last_end):.3f} (median) / "
+    joined = ng - (t["grid"] - t["comm_ctas"])
+    print(f"span {span:.3f} ms; GEMM CTAs {ng} ({joined} of them comm CTAs that joined): last tile ends at {np.median(last_end):.3f} (median) / "
           f"{last_end.min():.3f}-{last_end.max():.3f} ms; tasks recorded {int(valid.sum())}")
     tot = ng * span
     first = np.array([ms(gemm[c, 0, 0]) if valid[c, 0] else 0 for c in range(ng)])

@@ -59,6 +59,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.token_major = impl.dispatch_token_major;
     options.help_rows = impl.dispatch_help_rows;
     options.fused_topk_sum = impl.fused_topk_sum;
+    options.join_gemm = impl.join_gemm;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;

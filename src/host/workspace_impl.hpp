@@ -39,6 +39,9 @@ struct Workspace::Impl {
   // Fused path: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum; off
   // by default: the epilogue kernel after it). Same bits.
   bool fused_topk_sum = false;
+  // Fused path: comm CTAs that take GEMM tasks after their dispatch share
+  // (FusedForwardOptions::join_gemm; -1 automatic, the default; 0 none). Same bits.
+  int join_gemm = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

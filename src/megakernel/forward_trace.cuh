@@ -4,7 +4,7 @@
 // megakernel::forward_trace_dump() writes to a file after the pass; scripts/forward_trace.py
 // reads it. Layout (uint64 words), for a grid of G CTAs of which C communicate:
 //   comm CTA c:       comm[c * kCommFields + f], f = CommField
-//   GEMM CTA g, task j of its own (task g + j * (G - C) of the list):
+//   GEMM CTA g (g < G - C), or comm CTA c that joined the GEMM work (g = G - C + c), its j-th task:
 //                     gemm[(g * kMaxTasks + j) * kTaskFields + f], f = TaskField
 //   fused top-k sum, the u-th token of the schedule's token order:
 //                     tokens[u * kTokenFields + f], f = TokenField

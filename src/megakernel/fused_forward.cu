@@ -18,10 +18,12 @@ namespace {
 
 // ---- kernel ---------------------------------------------------------------------------------
 
-// Communication CTAs: dispatch (after the "x staged everywhere" barrier), then combine (each
-// row tile once GEMM 2 published it), then the barrier after which every rank's slots hold
-// every row. A failed barrier (timeout, recorded) skips the role; waiters give up at once.
-__device__ void comm_cta(const FusedForwardParams& p, int cta) {
+// Communication CTAs: dispatch (after the "x staged everywhere" barrier); then either combine
+// (each row tile once GEMM 2 published it) and the barrier after which every rank's slots hold
+// every row, or (the last comm_ctas - combine_ctas of them) return true: the CTA then takes
+// GEMM tasks like a GEMM CTA. A failed barrier (timeout, recorded) skips the role; waiters give
+// up at once.
+__device__ bool comm_cta(const FusedForwardParams& p, int cta) {
   const uint32_t n = static_cast<uint32_t>(p.comm_ctas);
   MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommStart);)
   if (group_barrier_all(p.dispatch_start, n, p.dispatch.peers, p.wait)) {
@@ -34,15 +36,18 @@ __device__ void comm_cta(const FusedForwardParams& p, int cta) {
     }
   }
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
-  combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(n));
+  if (cta >= p.combine_ctas) return true;
+  const uint32_t nc = static_cast<uint32_t>(p.combine_ctas);
+  combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(nc));
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommCombineEnd);)
   if (p.topk.on) {
     // Each token is summed once its rows arrived (counted per token): no barrier of all ranks.
     topk_sum_warp<4>(p.topk, p.wait);
   } else {
-    group_barrier_all(p.combine_done, n, p.combine.peers, p.wait);
+    group_barrier_all(p.combine_done, nc, p.combine.peers, p.wait);
   }
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommBarrier2);)
+  return false;
 }
 
 // A GEMM CTA's consumer warps take their share of the first row tiles of the dispatch
@@ -62,8 +67,10 @@ __device__ void gemm_cta_help_dispatch(const FusedForwardParams& p, int cta, int
 }
 
 // GEMM CTAs: warpgroup 0 produces, 1-2 consume (as the standalone GEMM kernel). Each role is
-// one branch, as setmaxnreg requires.
-__device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta, int ctas) {
+// one branch, as setmaxnreg requires. cta / ctas: this GEMM CTA's index and the GEMM CTA count
+// (the help dispatch and the gathering producer's round-robin; -1 for a comm CTA that joins,
+// which has done its dispatch share and never gathers); trace_cta: its trace row.
+__device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta, int ctas, int trace_cta, bool help) {
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
@@ -81,11 +88,11 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
       auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
       if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
-      gemm_producer(p, list, *ss, cta, ctas);
+      gemm_producer(p, list, *ss, trace_cta);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    if (p.help_tiles > 0) {
+    if (help && p.help_tiles > 0) {
       gemm_cta_help_dispatch(p, cta, ctas);
       // NOTE: the warpgroup reconverges (its epilogue barrier) before any wgmma: without it
       // ptxas serialised every wgmma after the dispatch's lane-divergent code (C7518)
@@ -93,7 +100,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
           static_cast<uint32_t>(warpgroup == 1 ? gemm::NamedBarrier::kEpilogueWG0 : gemm::NamedBarrier::kEpilogueWG1),
           gemm::kWarpGroupThreads);
     }
-    gemm_consumer(p, list, *ss, cta, ctas);
+    gemm_consumer(p, *ss, trace_cta);
     topk_sum_warp<8>(p.topk, p.wait);  // the tail of the pass: what is left of the sum
   }
 }
@@ -103,11 +110,20 @@ __global__ void __launch_bounds__(FusedCta::kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
   const int cta = static_cast<int>(blockIdx.x);
-  if (cta < p.comm_ctas) {
-    comm_cta(p, cta);
-  } else {
-    gemm_cta(p, smem_raw, cta - p.comm_ctas, static_cast<int>(gridDim.x) - p.comm_ctas);
+  const int gemm_ctas = static_cast<int>(gridDim.x) - p.comm_ctas;
+  bool gemm = cta >= p.comm_ctas;
+  int g = cta - p.comm_ctas, trace_row = g;
+  if (!gemm && comm_cta(p, cta)) {  // a comm CTA that joins the GEMM work
+    // NOTE: the barrier ends this CTA's comm code (and its use of shared memory) in every
+    // thread before the GEMM role initialises its barriers there.
+    __syncthreads();
+    gemm = true;
+    g = -1;
+    trace_row = gemm_ctas + cta;
   }
+  // NOTE: one call site, so that gemm_cta is inlined: a call would cross the wgmma pipeline
+  // (ptxas C7510 serialises every wgmma then).
+  if (gemm) gemm_cta(p, smem_raw, g, gemm_ctas, trace_row, g >= 0);
 #endif
 }
 
@@ -156,6 +172,30 @@ int resolve_grid(const FusedForwardOptions& o) {
                   std::to_string(o.comm_ctas));
   }
   return grid;
+}
+
+// Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
+// The combine has rows to move unless every row is the own rank's and read in place; then at
+// least one comm CTA must stay to combine.
+int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
+  const bool combine_idle = s.ep == 1 && o.own_rows_in_place;
+  const int most = combine_idle ? o.comm_ctas : o.comm_ctas - 1;
+  if (o.token_major) {
+    if (o.join_gemm > 0) {
+      throw_invalid("FusedForwardOptions.join_gemm", "0 or -1 with token_major (its gathering producer hands tasks "
+                    "out round-robin over the GEMM CTAs)", std::to_string(o.join_gemm));
+    }
+    return 0;
+  }
+  if (o.join_gemm < -1 || o.join_gemm > most) {
+    throw_invalid("FusedForwardOptions.join_gemm",
+                  "-1 (automatic), 0 (none) or up to " + std::to_string(most) + " of the " +
+                      std::to_string(o.comm_ctas) + " comm CTAs" +
+                      (combine_idle ? std::string() : std::string(" (at least one must combine)")),
+                  std::to_string(o.join_gemm));
+  }
+  if (o.join_gemm >= 0) return o.join_gemm;
+  return combine_idle ? o.comm_ctas : 0;  // EP >= 2: not measured yet (docs/megakernel.md)
 }
 
 gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf16* gate, const bf16* up,
@@ -229,6 +269,8 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.view = state.view();
   p.wait = state.wait_context();
   p.comm_ctas = o.comm_ctas;
+  p.next_task = p.s2_done + shared_tiles + 1;  // after the top-k sum's counter (ForwardBuffers::tile_counters)
+  p.combine_ctas = o.comm_ctas - resolve_join_gemm(o, s);
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);
@@ -280,7 +322,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   }
   // Barrier epochs in the order every rank issues them (every rank runs the same options).
   p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};
-  if (!o.fused_topk_sum) {
+  if (!o.fused_topk_sum && p.combine_ctas > 0) {
     p.combine_done = comm::GroupBarrier{
         state.sync(static_cast<comm::SyncSite>(static_cast<int>(comm::SyncSite::kFirstFree) + 1)),
         state.layout().flags, state.next_epoch()};
@@ -357,15 +399,16 @@ void forward_trace_dump(const std::string& path) {
   for (int i = 0; i < 3; ++i) MOK_CUDA_CHECK(cudaEventElapsedTime(&ms[i], t.ev[i], t.ev[i + 1]));
   // Header: magic, version, grid, comm CTAs, max tasks, comm fields, task fields, then the
   // host-event phases in ns: before the kernel (segments, x staging, memsets), the kernel,
-  // after it (top-k sum epilogue, poison check). Version 2 appends the fused top-k sum's
-  // token count (0 without it) and its per-token stamps.
-  const int64_t header[10] = {0x52544457464b4f4dLL, 2, t.grid, t.comm_ctas, trace::kMaxTasks, trace::kCommFields,
+  // after it (top-k sum epilogue, poison check). Version 2 appended the fused top-k sum's
+  // token count (0 without it) and its per-token stamps; version 3 writes a task row for every
+  // CTA: the GEMM CTAs', then the comm CTAs' (the tasks of those that joined the GEMM work).
+  const int64_t header[10] = {0x52544457464b4f4dLL, 3, t.grid, t.comm_ctas, trace::kMaxTasks, trace::kCommFields,
                               trace::kTaskFields, int64_t(ms[0] * 1e6), int64_t(ms[1] * 1e6), int64_t(ms[2] * 1e6)};
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) throw_invalid("forward_trace_dump path", "a writable file", path);
   std::fwrite(header, sizeof(header), 1, f);
   std::fwrite(comm.data(), 8, static_cast<size_t>(t.comm_ctas) * trace::kCommFields, f);
-  std::fwrite(gemm.data(), 8, static_cast<size_t>(t.grid - t.comm_ctas) * trace::kMaxTasks * trace::kTaskFields, f);
+  std::fwrite(gemm.data(), 8, static_cast<size_t>(t.grid) * trace::kMaxTasks * trace::kTaskFields, f);
   const int64_t token_count = static_cast<int64_t>(t.token_words / trace::kTokenFields);
   std::fwrite(&token_count, 8, 1, f);
   std::fwrite(tokens.data(), 8, tokens.size(), f);
@@ -388,6 +431,7 @@ const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kS
 void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
                    const FusedForwardOptions& o, cudaStream_t stream) {
   const int grid = resolve_grid(o);
+  (void)resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)

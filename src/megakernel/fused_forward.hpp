@@ -50,6 +50,13 @@ struct FusedForwardOptions {
   // separate epilogue kernel after a barrier of all ranks. Same bits. Off by default until it
   // ran at EP >= 2 (measured at EP 1 only: qwen3 -1 to -4 %, docs/megakernel.md).
   bool fused_topk_sum = false;
+  // Comm CTAs that take GEMM tasks once their share of the dispatch is done (the task list is
+  // handed out through one counter, in list order, so any CTA may take the next task; same
+  // bits). The other comm CTAs combine. -1 (default): automatic: every comm CTA when the
+  // combine has nothing to move (EP 1 with the own rows in place), else none (not yet measured
+  // at EP >= 2); 0: none. At most comm_ctas - 1 when the combine has rows to move. Not with
+  // token_major (its gathering producer keeps the round-robin hand-out).
+  int join_gemm = -1;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

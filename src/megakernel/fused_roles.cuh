@@ -3,7 +3,9 @@
 // every tile computes exactly what the standalone GEMM computes; only the tile ORDER differs
 // (task_list.cuh), and with it the waits:
 //
-//   gemm_producer   one thread: per task, wait for its inputs (acquire), proxy fence, TMA loads
+//   gemm_producer   one thread: takes the next task of the list from one counter (so comm CTAs
+//                   that finished their dispatch can join), waits for its inputs (acquire),
+//                   proxy fence, TMA loads; after the last task an end slot for the consumers
 //   gemm_consumer   two warpgroups: K loop, epilogue (TMA stores), publish the tile (lazily,
 //                   see PendingTile)
 //
@@ -78,6 +80,10 @@ struct FusedForwardParams {
   comm::GroupBarrier dispatch_start, combine_done;
   comm::WaitContext wait;
   int comm_ctas = 0;
+  // Comm CTAs [0, combine_ctas) combine (and, with the fused sum, sum); [combine_ctas,
+  // comm_ctas) take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
+  int combine_ctas = 0;
+  uint32_t* next_task = nullptr;  // the task hand-out counter (zeroed before the kernel)
   // Dedup fan-out: the first help_tiles row tiles are dispatched by every CTA (the GEMM CTAs'
   // consumer warps first, before their tasks), the rest by the comm CTAs. 0: comm CTAs only.
   int64_t help_tiles = 0;
@@ -134,8 +140,9 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 struct TaskSlot {
   Task task;
   gemm::RowTile tile;
-  int k_steps;
+  int k_steps;  // kEndOfTasks: no task left, the consumers stop
 };
+inline constexpr int kEndOfTasks = -1;
 // The slots live in the barrier block's segment-table space (SharedStorage::seg_offsets): the
 // fused kernel reads the segment table from global memory and never caches it there, and its
 // shared memory is at the 227 KiB limit.
@@ -222,22 +229,45 @@ __device__ inline TaskSlot task_slot(const FusedForwardParams& p, const Task& t)
   return s;
 }
 
+// After the last task: one stage without loads whose slot tells the consumers to stop. Every
+// thread that arrives on a full barrier arrives (`arrive`: this thread does).
+__device__ inline bool send_end_of_tasks(gemm::SharedStorage<Cfg>& ss, gemm::PipeState<Cfg::kStages>& st,
+                                         const gemm::ErrorSink& err, bool write_slot, bool arrive) {
+  if (write_slot) {
+    if (!gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, err)) return false;
+    TaskSlot end{};
+    end.k_steps = kEndOfTasks;
+    task_slots(ss)[st.index] = end;
+  }
+  if (arrive) cutlass::arch::ClusterBarrier::arrive(&ss.bars.full[st.index]);
+  return true;
+}
+
+// The task hand-out (DESIGN §6, task_list.cuh): tasks in list order from one counter, so a task
+// only waits on tasks handed out before it, and any CTA (a comm CTA done with its dispatch too)
+// may take the next one. Each producer holds the next task's index one task ahead: the
+// counter's round trip overlaps the current task's loads. `trace_cta`: this CTA's trace row.
 __device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
-                                     int cta, int ctas) {
+                                     int trace_cta) {
+  (void)trace_cta;
   gemm::PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released
-  const int n = list.size();
-  for (int i = cta; i < n; i += ctas) {
+  const uint32_t n = static_cast<uint32_t>(list.size());
+  uint32_t next = atomicAdd(p.next_task, 1u);
+  for (int j = 0; next < n; ++j) {
+    const int i = static_cast<int>(next);
+    next = atomicAdd(p.next_task, 1u);
     const Task t = list.at(i);
     const TaskSlot slot = task_slot(p, t);
-    MOK_FWD_TRACE(const int j = (i - cta) / ctas; trace::task_stamp(p.trace, cta, j, trace::kTaskWaitBegin);)
+    MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitBegin);)
     wait_for_inputs(p, t);
-    MOK_FWD_TRACE(trace::task_stamp(p.trace, cta, j, trace::kTaskWaitEnd);
-                  trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);)
+    MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitEnd);
+                  trace::task_desc(p.trace, trace_cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);)
     const bool ok = is_gemm1(t.kind) ? produce_tile<G1Kind>(gemm1_params(p, t.kind), slot, ss, st)
                                      : produce_tile<G2Kind>(gemm2_params(p, t.kind), slot, ss, st);
     if (!ok) return;
   }
+  send_end_of_tasks(ss, st, p.routed1.err, true, true);
 }
 
 // ---- gathering producer (token-major dispatch) -----------------------------------------------
@@ -349,6 +379,7 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
       if (threadIdx.x == 0 && k == 0) task_slots(ss)[st.index] = slot;  // before thread 0's arrive
       if (k_steps == 0) {
         cutlass::arch::ClusterBarrier::arrive(full);
+        if (threadIdx.x == 0) cutlass::arch::ClusterBarrier::arrive(full);  // in place of the expect_tx arrival
       } else if (threadIdx.x == 0) {
         if (gather) {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
@@ -370,6 +401,13 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     }
     __syncwarp();  // every lane read the table before the next tile rewrites it
   }
+  // The end slot: thread 0 writes it and arrives once more (its expect_tx arrival), every
+  // producer thread arrives: kGatherFullArrivals.
+  int ok = 1;
+  if (lane == 0) ok = gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.routed1.err);
+  if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;
+  if (threadIdx.x == 0) send_end_of_tasks(ss, st, p.routed1.err, true, true);
+  send_end_of_tasks(ss, st, p.routed1.err, false, true);
 }
 
 // ---- consumers ------------------------------------------------------------------------------
@@ -434,9 +472,10 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
   return nullptr;
 }
 
-// Consumer warpgroups (the body of gemm::consumer_warpgroup over the task list).
-__device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
-                                     int cta, int ctas) {
+// Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
+// over, until its end slot). `trace_cta`: this CTA's trace row.
+__device__ inline void gemm_consumer(const FusedForwardParams& p, gemm::SharedStorage<Cfg>& ss, int trace_cta) {
+  (void)trace_cta;
   const int ctid = threadIdx.x - gemm::kWarpGroupThreads;
   auto mma = gemm::make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
@@ -448,17 +487,16 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
 
   gemm::PipeState<Cfg::kStages> st;
   PendingTile pending;  // meaningful in thread 0 of the warpgroup only
-  const int n = list.size();
   const TaskSlot* slots = task_slots(ss);
-  for (int i = cta; i < n; i += ctas) {
-    MOK_FWD_TRACE(const int j = (i - cta) / ctas; const bool stamp = ctid == 0;
-                  if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskTileBegin);)
+  for (int j = 0;; ++j) {
+    MOK_FWD_TRACE(const bool stamp = ctid == 0; if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskTileBegin);)
     // The task arrives with its first stage (TaskSlot).
     if (ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
       pending.flush();  // about to block on the producer: publish first
     }
     if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, p.routed1.err)) break;
     const TaskSlot slot = read_task_slot(slots[st.index]);
+    if (slot.k_steps == kEndOfTasks) break;  // (its TileBegin stamp alone: the trace reader skips it)
     const Task& t = slot.task;
     const gemm::RowTile& tile = slot.tile;
     const int k_steps = slot.k_steps;
@@ -472,13 +510,13 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
-    MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskMainloopEnd);)
+    MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
       if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
       else pending.rotate<kGemm2StoreGroups>(done_counter(p, t));
     }
-    MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, cta, j, trace::kTaskEpilogueEnd);)
+    MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }
   if (ctx.tid == 0) {
     gemm::tma_store_wait_all_complete();

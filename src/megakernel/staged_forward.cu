@@ -76,7 +76,7 @@ ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows)
       shared_u(shared_rows * s.shared_intermediate),
       shared_out(s.has_shared() ? shared_rows * s.hidden : 0),
       gemm_error(1),
-      tile_counters(2 * (shared_rows / kRowTile) + 2 * (rows / kRowTile) + 1) {
+      tile_counters(2 * (shared_rows / kRowTile) + 2 * (rows / kRowTile) + 2) {
   const int32_t off[2] = {0, static_cast<int32_t>(shared_rows)};
   const int32_t real = static_cast<int32_t>(s.tokens);
   MOK_CUDA_CHECK(cudaMemcpy(shared_offsets.get(), off, sizeof(off), cudaMemcpyHostToDevice));

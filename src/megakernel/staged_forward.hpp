@@ -31,7 +31,7 @@ struct ForwardBuffers {
   comm::DeviceBuffer<uint32_t> gemm_error;                  // GEMM error bits (gemm::ErrorBit)
   // Fused forward completion counters, zeroed before each pass: s1_done [shared_rows / 128],
   // g1_done and g2_done [buffer_rows / 128] each, s2_done [shared_rows / 128], then the top-k
-  // sum's work counter (src/megakernel/fused_roles.cuh, fused_topk_sum.cuh).
+  // sum's work counter and the task counter (src/megakernel/fused_roles.cuh, fused_topk_sum.cuh).
   comm::DeviceBuffer<uint32_t> tile_counters;
 };
 

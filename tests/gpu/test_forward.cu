@@ -289,7 +289,10 @@ struct PassBits {
 //   kTokenMajor  fused only: token-major dispatch, GEMM 1 gathering its rows, in-place combine
 //   kHelpAll     fused only: every CTA (the GEMM CTAs' consumer warps too) dispatches every tile
 //   kFusedSum    fused only: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum)
-enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum };
+//   kNoJoin      fused only: no comm CTA takes GEMM tasks (FusedForwardOptions::join_gemm = 0; the
+//                default joins them all at EP 1)
+//   kJoinMost    fused only: every comm CTA but one takes GEMM tasks after its dispatch share
+enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -303,6 +306,8 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
     if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
     ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum;
+    if (modes == CopyModes::kNoJoin) ws->impl().join_gemm = 0;
+    if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = cfg.effective_comm_sms_forward(s) - 1;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -346,7 +351,12 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_gather = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kTokenMajor);
   const auto fused_help = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kHelpAll);
   const auto fused_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFusedSum);
+  const auto fused_no_join = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kNoJoin);
+  const auto fused_join_most = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kJoinMost);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_no_join[r].y, fused[r].y)) << c.name << " rank " << r << ": y, no comm CTA joining";
+    EXPECT_TRUE(same_bits(fused_join_most[r].y, fused[r].y)) << c.name << " rank " << r << ": y, all but one joining";
+    EXPECT_TRUE(same_bits(fused_join_most[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, joining";
     EXPECT_TRUE(same_bits(fused_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, top-k sum in the fused kernel";
     EXPECT_TRUE(same_bits(fused_help[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM CTAs dispatching";
     EXPECT_TRUE(same_bits(fused_help[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, GEMM CTAs dispatching";
@@ -394,6 +404,36 @@ TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
       EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
       EXPECT_NE(std::string(e.what()).find("grid_sms"), std::string::npos) << e.what();
     }
+    ws->check();
+  });
+}
+
+// A join_gemm beyond the comm CTAs (or, with rows to combine, leaving none to combine) is refused
+// before anything runs, naming the option.
+TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
+  const Problem p = make_problem(s, Pattern::kUniform, 9);
+  const Config cfg = default_config(s);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), nullptr);
+    for (int join : {cfg.effective_comm_sms_forward(s) + 1, -2}) {
+      ws->impl().join_gemm = join;
+      try {
+        forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+        ADD_FAILURE() << "expected mok::Error for join_gemm = " << join;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
+        EXPECT_NE(std::string(e.what()).find("join_gemm"), std::string::npos) << e.what();
+      }
+    }
+    ws->impl().combine_in_place = false;  // own rows copied into the slots: one comm CTA must combine
+    ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
+    EXPECT_THROW(forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr), Error);
     ws->check();
   });
 }
