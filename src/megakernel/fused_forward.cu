@@ -75,6 +75,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
     ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), p.gather.on ? kGatherFullArrivals : 1);
+    init_task_queue(*ss);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
   }
@@ -88,7 +89,9 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
       auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
       if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
     } else if (threadIdx.x == 0) {
-      gemm_producer(p, list, *ss, trace_cta);
+      gemm_producer(p, *ss);
+    } else if (threadIdx.x == 32) {
+      task_feeder(p, list, *ss, trace_cta);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -100,7 +103,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
           static_cast<uint32_t>(warpgroup == 1 ? gemm::NamedBarrier::kEpilogueWG0 : gemm::NamedBarrier::kEpilogueWG1),
           gemm::kWarpGroupThreads);
     }
-    gemm_consumer(p, *ss, trace_cta);
+    gemm_consumer(p, list, *ss, trace_cta);
     topk_sum_warp<8>(p.topk, p.wait);  // the tail of the pass: what is left of the sum
   }
 }

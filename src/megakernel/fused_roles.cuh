@@ -3,9 +3,11 @@
 // every tile computes exactly what the standalone GEMM computes; only the tile ORDER differs
 // (task_list.cuh), and with it the waits:
 //
-//   gemm_producer   one thread: takes the next task of the list from one counter (so comm CTAs
-//                   that finished their dispatch can join), waits for its inputs (acquire),
-//                   proxy fence, TMA loads; after the last task an end slot for the consumers
+//   task_feeder     one thread: takes the next task of the list from one counter (so comm CTAs
+//                   that finished their dispatch can join), finds its tile, waits for its
+//                   inputs (acquire), hands it to the producer through a one-entry queue
+//   gemm_producer   one thread: proxy fence, TMA loads of each task the feeder hands over; after
+//                   the last task an end slot for the consumers
 //   gemm_consumer   two warpgroups: K loop, epilogue (TMA stores), publish the tile (lazily,
 //                   see PendingTile)
 //
@@ -151,6 +153,23 @@ static_assert(sizeof(TaskSlot) * Cfg::kStages <= sizeof(gemm::SharedStorage<Cfg>
 __device__ __forceinline__ TaskSlot* task_slots(gemm::SharedStorage<Cfg>& ss) {
   return reinterpret_cast<TaskSlot*>(ss.seg_offsets);
 }
+// The feeder -> producer queue (one entry), behind the stage slots in the same space.
+struct TaskQueue {
+  TaskSlot slot;
+  alignas(8) uint64_t full;   // the feeder's arrive: the slot is written and its inputs exist
+  alignas(8) uint64_t empty;  // the producer's arrive: the slot was read
+};
+inline constexpr int kTaskQueueOffset = (sizeof(TaskSlot) * Cfg::kStages + 7) / 8 * 8;
+static_assert(kTaskQueueOffset + sizeof(TaskQueue) <= sizeof(gemm::SharedStorage<Cfg>::seg_offsets),
+              "the task queue must fit behind the stage slots");
+__device__ __forceinline__ TaskQueue& task_queue(gemm::SharedStorage<Cfg>& ss) {
+  return *reinterpret_cast<TaskQueue*>(reinterpret_cast<uint8_t*>(ss.seg_offsets) + kTaskQueueOffset);
+}
+__device__ inline void init_task_queue(gemm::SharedStorage<Cfg>& ss) {
+  cutlass::arch::ClusterBarrier::init(&task_queue(ss).full, 1);
+  cutlass::arch::ClusterBarrier::init(&task_queue(ss).empty, 1);
+  cutlass::arch::fence_barrier_init();
+}
 // A slot as the consumers use it: every field from lane 0. NOTE: values loaded from shared
 // memory are not provably warp-uniform, and branches on them around the K loop make ptxas
 // serialise every wgmma (C7518); shuffled from one lane they are uniform.
@@ -245,26 +264,52 @@ __device__ inline bool send_end_of_tasks(gemm::SharedStorage<Cfg>& ss, gemm::Pip
 
 // The task hand-out (DESIGN §6, task_list.cuh): tasks in list order from one counter, so a task
 // only waits on tasks handed out before it, and any CTA (a comm CTA done with its dispatch too)
-// may take the next one. Each producer holds the next task's index one task ahead: the
-// counter's round trip overlaps the current task's loads. `trace_cta`: this CTA's trace row.
-__device__ inline void gemm_producer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
-                                     int trace_cta) {
+// may take the next one. The counter's round trip, the tile's segment search (dependent global
+// loads) and the wait for the task's inputs run here, one task ahead of the producer, so that
+// none of them delays the stage ring (on the producer's path they cost 2-11 % at EP 1,
+// docs/megakernel.md). `trace_cta`: this CTA's trace row.
+__device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
+                                   int trace_cta) {
   (void)trace_cta;
+  TaskQueue& q = task_queue(ss);
+  const uint32_t n = static_cast<uint32_t>(list.size());
+  uint32_t phase = 1;  // a fresh empty barrier counts as released
+  for (int j = 0;; ++j) {
+    if (!gemm::wait_barrier(&q.empty, phase, p.routed1.err)) return;
+    phase ^= 1u;
+    const uint32_t i = atomicAdd(p.next_task, 1u);
+    TaskSlot slot{};
+    slot.k_steps = kEndOfTasks;
+    if (i < n) {
+      const Task t = list.at(static_cast<int>(i));
+      slot = task_slot(p, t);
+      MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitBegin);)
+      wait_for_inputs(p, t);
+      MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitEnd);
+                    trace::task_desc(p.trace, trace_cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile,
+                                     t.row_tile);)
+    }
+    q.slot = slot;
+    cutlass::arch::ClusterBarrier::arrive(&q.full);  // release (CTA scope): the slot and the acquire above
+    if (i >= n) return;
+  }
+}
+
+__device__ inline void gemm_producer(const FusedForwardParams& p, gemm::SharedStorage<Cfg>& ss) {
+  TaskQueue& q = task_queue(ss);
   gemm::PipeState<Cfg::kStages> st;
   st.phase = 1;  // fresh empty barriers count as released
-  const uint32_t n = static_cast<uint32_t>(list.size());
-  uint32_t next = atomicAdd(p.next_task, 1u);
-  for (int j = 0; next < n; ++j) {
-    const int i = static_cast<int>(next);
-    next = atomicAdd(p.next_task, 1u);
-    const Task t = list.at(i);
-    const TaskSlot slot = task_slot(p, t);
-    MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitBegin);)
-    wait_for_inputs(p, t);
-    MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitEnd);
-                  trace::task_desc(p.trace, trace_cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);)
-    const bool ok = is_gemm1(t.kind) ? produce_tile<G1Kind>(gemm1_params(p, t.kind), slot, ss, st)
-                                     : produce_tile<G2Kind>(gemm2_params(p, t.kind), slot, ss, st);
+  for (uint32_t phase = 0;; phase ^= 1u) {
+    if (!gemm::wait_barrier(&q.full, phase, p.routed1.err)) return;
+    const TaskSlot slot = q.slot;
+    cutlass::arch::ClusterBarrier::arrive(&q.empty);
+    if (slot.k_steps == kEndOfTasks) break;
+    // NOTE: the feeder acquired the inputs; the queue's barrier orders that before this
+    // thread's proxy fence and its TMA loads (async proxy).
+    fence_proxy_async_global();
+    const TaskKind kind = slot.task.kind;
+    const bool ok = is_gemm1(kind) ? produce_tile<G1Kind>(gemm1_params(p, kind), slot, ss, st)
+                                   : produce_tile<G2Kind>(gemm2_params(p, kind), slot, ss, st);
     if (!ok) return;
   }
   send_end_of_tasks(ss, st, p.routed1.err, true, true);
@@ -474,7 +519,8 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
 
 // Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
 // over, until its end slot). `trace_cta`: this CTA's trace row.
-__device__ inline void gemm_consumer(const FusedForwardParams& p, gemm::SharedStorage<Cfg>& ss, int trace_cta) {
+__device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
+                                     int trace_cta) {
   (void)trace_cta;
   const int ctid = threadIdx.x - gemm::kWarpGroupThreads;
   auto mma = gemm::make_consumer_mma<Cfg>();
@@ -488,7 +534,10 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, gemm::SharedSt
   gemm::PipeState<Cfg::kStages> st;
   PendingTile pending;  // meaningful in thread 0 of the warpgroup only
   const TaskSlot* slots = task_slots(ss);
-  for (int j = 0;; ++j) {
+  // NOTE: bounded by the list (a CTA takes at most all of it; the end slot ends the loop): with
+  // no bound (for (;;)) ptxas serialised every wgmma of the kernel (C7518).
+  const int n = list.size();
+  for (int j = 0; j < n; ++j) {
     MOK_FWD_TRACE(const bool stamp = ctid == 0; if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskTileBegin);)
     // The task arrives with its first stage (TaskSlot).
     if (ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
