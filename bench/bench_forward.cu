@@ -17,7 +17,7 @@
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
-//                 [--join N]
+//                 [--join N] [--task-counter 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -31,6 +31,8 @@
 // (FusedForwardOptions::fused_topk_sum; fwd_fused_sum_ms). --join N: the same with
 // FusedForwardOptions::join_gemm = N (comm CTAs taking GEMM tasks after their dispatch share;
 // -1 automatic = the default, 0 none; at EP >= 2 capped at the comm count - 1; fwd_join_ms).
+// --task-counter 0|1: the same with FusedForwardOptions::task_counter (and no comm CTA joining):
+// the tasks round-robin (0) or through the counter (1) (fwd_task_counter_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -73,6 +75,8 @@ struct Options {
   bool plain = false, tiles = false, token_major = false, fused_sum = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
+  bool counter_variant = false;  // --task-counter V given
+  int task_counter = -1;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int64_t tokens = 0;
@@ -106,6 +110,10 @@ Options parse(int argc, char** argv) {
     else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
     else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
     else if (k == "--fused-sum") o.fused_sum = std::stoi(v) != 0;
+    else if (k == "--task-counter") {
+      o.task_counter = std::stoi(v);
+      o.counter_variant = true;
+    }
     else if (k == "--join") {
       o.join = std::stoi(v);
       o.join_variant = true;
@@ -254,6 +262,7 @@ struct RankResult {
   std::map<int, double> fused_token_major_ms;  // token-major dispatch + gathering GEMM 1 (--token-major 1)
   std::map<int, double> fused_help_ms;  // GEMM CTAs dispatching the first rows too (--help-rows N)
   std::map<int, double> fused_join_ms;  // comm CTAs taking GEMM tasks (--join N)
+  std::map<int, double> fused_counter_ms;  // no comm CTA joining, tasks round-robin or by counter (--task-counter V)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
@@ -306,6 +315,12 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
        [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.help_rows = op.help_rows; }, "-help"},
       {o.join_variant, &res.fused_join_ms,
        [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.join_gemm = op.join; }, "-join"},
+      {o.counter_variant, &res.fused_counter_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options& op) {
+         fo.join_gemm = 0;
+         fo.task_counter = op.task_counter;
+       },
+       "-task-counter"},
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
@@ -479,9 +494,10 @@ int main(int argc, char** argv) {
     const double best_fused_sum = variant(o.fused_sum, "fused_sum", &RankResult::fused_sum_ms);
     const double best_help = variant(o.help_variant, "help", &RankResult::fused_help_ms);
     const double best_join = variant(o.join_variant, "join", &RankResult::fused_join_ms);
+    const double best_counter = variant(o.counter_variant, "task_counter", &RankResult::fused_counter_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
                   best_fused_sum, ps ? "yes" : "NO");
@@ -493,6 +509,10 @@ int main(int argc, char** argv) {
     if (o.help_variant) {
       std::printf("%-7s GEMM CTAs dispatching the first rows (help_rows %lld): best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), static_cast<long long>(o.help_rows), best_help, ps ? "yes" : "NO");
+    }
+    if (o.counter_variant) {
+      std::printf("%-7s no comm CTA joining, task_counter %d: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  o.task_counter, best_counter, ps ? "yes" : "NO");
     }
     if (o.join_variant) {
       std::printf("%-7s comm CTAs taking GEMM tasks (join_gemm %d): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),

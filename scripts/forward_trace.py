@@ -63,7 +63,10 @@ def report(path, t, bins):
           f"total {pre + kern + post:.3f} ms")
     last = "sum end" if t["tokens"] is not None else "barrier 2"  # the fused sum replaces barrier 2
     names = ["start", "barrier 1", "dispatch end", "combine end", last]
-    row = ", ".join(f"{n} {np.median(ms(comm[:, i])):.3f}/{ms(comm[:, i]).max():.3f}" for i, n in enumerate(names))
+    def field(i):  # comm CTAs that joined the GEMM work stamp nothing after their dispatch
+        v = comm[:, i][comm[:, i] > 0]
+        return f"{np.median(ms(v)):.3f}/{ms(v).max():.3f}" if v.size else "-"
+    row = ", ".join(f"{n} {field(i)}" for i, n in enumerate(names))
     print(f"comm CTAs (ms, median/max): {row}")
     end = max(comm[:, 4].max(), gemm[:, :, 4].max())
     span = (end - t0) / 1e6

@@ -42,6 +42,8 @@ struct Workspace::Impl {
   // Fused path: comm CTAs that take GEMM tasks after their dispatch share
   // (FusedForwardOptions::join_gemm; -1 automatic, the default; 0 none). Same bits.
   int join_gemm = -1;
+  // Fused path: the GEMM tasks' hand-out (FusedForwardOptions::task_counter; -1 automatic).
+  int task_counter = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

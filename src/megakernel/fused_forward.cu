@@ -91,7 +91,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
     } else if (threadIdx.x == 0) {
       gemm_producer(p, *ss);
     } else if (threadIdx.x == 32) {
-      task_feeder(p, list, *ss, trace_cta);
+      task_feeder(p, list, *ss, cta, ctas, trace_cta);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -183,10 +183,16 @@ int resolve_grid(const FusedForwardOptions& o) {
 int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
   const bool combine_idle = s.ep == 1 && o.own_rows_in_place;
   const int most = combine_idle ? o.comm_ctas : o.comm_ctas - 1;
-  if (o.token_major) {
+  if (o.task_counter < -1 || o.task_counter > 1) {
+    throw_invalid("FusedForwardOptions.task_counter", "-1 (automatic), 0 (round-robin) or 1 (counter)",
+                  std::to_string(o.task_counter));
+  }
+  if (o.token_major || o.task_counter == 0) {
     if (o.join_gemm > 0) {
-      throw_invalid("FusedForwardOptions.join_gemm", "0 or -1 with token_major (its gathering producer hands tasks "
-                    "out round-robin over the GEMM CTAs)", std::to_string(o.join_gemm));
+      throw_invalid("FusedForwardOptions.join_gemm",
+                    std::string("0 or -1 with ") + (o.token_major ? "token_major (its gathering producer" : "task_counter 0 (") +
+                        " hands tasks out round-robin over the GEMM CTAs)",
+                    std::to_string(o.join_gemm));
     }
     return 0;
   }
@@ -274,6 +280,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.comm_ctas = o.comm_ctas;
   p.next_task = p.s2_done + shared_tiles + 1;  // after the top-k sum's counter (ForwardBuffers::tile_counters)
   p.combine_ctas = o.comm_ctas - resolve_join_gemm(o, s);
+  p.task_counter = o.task_counter < 0 ? p.combine_ctas < o.comm_ctas : o.task_counter != 0;
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);

@@ -86,6 +86,7 @@ struct FusedForwardParams {
   // comm_ctas) take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
   int combine_ctas = 0;
   uint32_t* next_task = nullptr;  // the task hand-out counter (zeroed before the kernel)
+  bool task_counter = false;      // hand tasks out through next_task (else round-robin over the GEMM CTAs)
   // Dedup fan-out: the first help_tiles row tiles are dispatched by every CTA (the GEMM CTAs'
   // consumer warps first, before their tasks), the rest by the comm CTAs. 0: comm CTAs only.
   int64_t help_tiles = 0;
@@ -268,8 +269,10 @@ __device__ inline bool send_end_of_tasks(gemm::SharedStorage<Cfg>& ss, gemm::Pip
 // loads) and the wait for the task's inputs run here, one task ahead of the producer, so that
 // none of them delays the stage ring (on the producer's path they cost 2-11 % at EP 1,
 // docs/megakernel.md). `trace_cta`: this CTA's trace row.
+// Without joining comm CTAs (FusedForwardParams::task_counter off) the tasks go round-robin:
+// GEMM CTA `cta` of `ctas` takes cta, cta + ctas, ...
 __device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
-                                   int trace_cta) {
+                                   int cta, int ctas, int trace_cta) {
   (void)trace_cta;
   TaskQueue& q = task_queue(ss);
   const uint32_t n = static_cast<uint32_t>(list.size());
@@ -277,7 +280,7 @@ __device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& 
   for (int j = 0;; ++j) {
     if (!gemm::wait_barrier(&q.empty, phase, p.routed1.err)) return;
     phase ^= 1u;
-    const uint32_t i = atomicAdd(p.next_task, 1u);
+    const uint32_t i = p.task_counter ? atomicAdd(p.next_task, 1u) : static_cast<uint32_t>(cta + j * ctas);
     TaskSlot slot{};
     slot.k_steps = kEndOfTasks;
     if (i < n) {

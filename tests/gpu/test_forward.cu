@@ -292,7 +292,8 @@ struct PassBits {
 //   kNoJoin      fused only: no comm CTA takes GEMM tasks (FusedForwardOptions::join_gemm = 0; the
 //                default joins them all at EP 1)
 //   kJoinMost    fused only: every comm CTA but one takes GEMM tasks after its dispatch share
-enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost };
+//   kRoundRobin  fused only: tasks round-robin over the GEMM CTAs (FusedForwardOptions::task_counter = 0)
+enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -307,6 +308,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
     ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum;
     if (modes == CopyModes::kNoJoin) ws->impl().join_gemm = 0;
+    if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
     if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = cfg.effective_comm_sms_forward(s) - 1;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
@@ -353,7 +355,9 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFusedSum);
   const auto fused_no_join = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kNoJoin);
   const auto fused_join_most = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kJoinMost);
+  const auto fused_round_robin = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kRoundRobin);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_round_robin[r].y, fused[r].y)) << c.name << " rank " << r << ": y, tasks round-robin";
     EXPECT_TRUE(same_bits(fused_no_join[r].y, fused[r].y)) << c.name << " rank " << r << ": y, no comm CTA joining";
     EXPECT_TRUE(same_bits(fused_join_most[r].y, fused[r].y)) << c.name << " rank " << r << ": y, all but one joining";
     EXPECT_TRUE(same_bits(fused_join_most[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, joining";
