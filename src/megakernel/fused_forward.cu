@@ -280,7 +280,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.comm_ctas = o.comm_ctas;
   p.next_task = p.s2_done + shared_tiles + 1;  // after the top-k sum's counter (ForwardBuffers::tile_counters)
   p.combine_ctas = o.comm_ctas - resolve_join_gemm(o, s);
-  p.task_counter = o.task_counter < 0 ? p.combine_ctas < o.comm_ctas : o.task_counter != 0;
+  p.task_counter = o.task_counter != 0;
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);

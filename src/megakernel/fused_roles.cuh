@@ -269,7 +269,7 @@ __device__ inline bool send_end_of_tasks(gemm::SharedStorage<Cfg>& ss, gemm::Pip
 // loads) and the wait for the task's inputs run here, one task ahead of the producer, so that
 // none of them delays the stage ring (on the producer's path they cost 2-11 % at EP 1,
 // docs/megakernel.md). `trace_cta`: this CTA's trace row.
-// Without joining comm CTAs (FusedForwardParams::task_counter off) the tasks go round-robin:
+// With FusedForwardParams::task_counter off (no comm CTA joins then) the tasks go round-robin:
 // GEMM CTA `cta` of `ctas` takes cta, cta + ctas, ...
 __device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
                                    int cta, int ctas, int trace_cta) {
