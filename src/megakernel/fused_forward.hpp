@@ -2,10 +2,12 @@
 // per SM) whose CTAs take roles from a deterministic task list:
 //   - communication CTAs (Config::comm_sms_forward): dispatch every minibatch (pull over
 //     NVLink, raising per-minibatch ready counters), then combine every row tile as soon as
-//     GEMM 2 finished it (push to the owner's slots), then a barrier of all ranks;
-//   - GEMM CTAs: shared-expert tiles first, then per minibatch GEMM1+SwiGLU (once its rows
-//     arrived) and GEMM2 (once its hidden row tile is complete), publishing per-row-tile
-//     completion counters (src/megakernel/task_list.cuh, fused_roles.cuh).
+//     GEMM 2 finished it (push to the owner's slots), then a barrier of all ranks; or, after
+//     their dispatch share, join the GEMM CTAs (FusedForwardOptions::join_gemm);
+//   - GEMM CTAs: take the tasks of one list in order from a counter: shared-expert tiles
+//     first, then per minibatch GEMM1+SwiGLU (once its rows arrived) and GEMM2 (once its
+//     hidden row tile is complete), publishing per-row-tile completion counters
+//     (src/megakernel/task_list.cuh, fused_roles.cuh).
 // The fixed-order top-k sum runs as a small kernel after it (or, with fused_topk_sum, inside
 // it: each token once its rows exist). Same GEMM tiles, same K order, same
 // epilogues and sums as the staged forward: the bits are the staged forward's bits.
