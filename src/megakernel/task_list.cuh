@@ -1,8 +1,10 @@
-// The deterministic task list of the fused forward's GEMM CTAs (DESIGN §6). Every GEMM CTA
-// walks the same list: CTA g of G takes tasks g, g+G, g+2G, ... in increasing order, and a
-// task only waits on tasks with a smaller index (or on the communication CTAs' dispatch, which
-// never waits on a GEMM). With every CTA co-resident, the unfinished task of smallest index
-// can always run, so the kernel cannot deadlock.
+// The deterministic task list of the fused forward's GEMM CTAs (DESIGN §6). The tasks are
+// handed out in increasing order, through one counter (the default: whichever GEMM CTA, or comm
+// CTA done with its dispatch, asks next; fused_roles.cuh, task_feeder) or round-robin (CTA g of
+// G takes g, g+G, ...), and a task only waits on tasks with a smaller index (or on the
+// communication CTAs' dispatch, which never waits on a GEMM), all handed out before it. With
+// every CTA co-resident, the unfinished task of smallest index can always run, so the kernel
+// cannot deadlock.
 //
 // Order (each block rasterised like the standalone GEMMs: groups of kGroupM row tiles, row
 // tiles fastest, so CTAs running at the same time share a weight column block):
