@@ -237,8 +237,9 @@ gemm::Gemm2Params gemm2_params_for(const bf16* h, const bf16* down, int64_t expe
   return p;
 }
 
+// join: resolve_join_gemm's count (resolved once per pass, before anything is enqueued).
 FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args,
-                               const ExpertWeights& w, const FusedForwardOptions& o) {
+                               const ExpertWeights& w, const FusedForwardOptions& o, int join) {
   const LayerShape& s = state.shape();
   const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate, E = s.local_experts();
   const int64_t R = b.buffer_rows;
@@ -279,7 +280,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.wait = state.wait_context();
   p.comm_ctas = o.comm_ctas;
   p.next_task = p.s2_done + shared_tiles + 1;  // after the top-k sum's counter (ForwardBuffers::tile_counters)
-  p.combine_ctas = o.comm_ctas - resolve_join_gemm(o, s);
+  p.combine_ctas = o.comm_ctas - join;
   p.task_counter = o.task_counter != 0;
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
@@ -441,7 +442,7 @@ const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kS
 void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
                    const FusedForwardOptions& o, cudaStream_t stream) {
   const int grid = resolve_grid(o);
-  (void)resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
+  const int join = resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)
@@ -456,7 +457,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
     // kernel (after this memset) opens; last pass's adds all came before its sum finished.
     MOK_CUDA_CHECK(cudaMemsetAsync(state.arrivals(), 0, state.shape().tokens * sizeof(uint32_t), stream));
   }
-  FusedForwardParams p = make_params(state, b, args, w, o);
+  FusedForwardParams p = make_params(state, b, args, w, o, join);
   MOK_FWD_TRACE(p.trace = sink; p.topk.trace_tokens = sink.tokens; trace_event(1, stream);)
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());

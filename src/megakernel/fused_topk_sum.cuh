@@ -7,8 +7,9 @@
 //   - rows pushed into the slots (other ranks' experts): arrivals[t] counts them, raised by the
 //     pushing warps with a system-scope release (CombineRole::count_arrivals);
 //   - the shared expert's row: its GEMM 2 tile (s2_done).
-// Who sums: the comm CTAs after their combine (at EP 1 right after the dispatch) and the GEMM
-// CTAs' consumer warps after their last task; each warp takes the next token from one counter,
+// Who sums: the comm CTAs that combine, after their combine, and the consumer warps of the
+// GEMM CTAs (and of comm CTAs that joined the GEMM work, FusedForwardOptions::join_gemm) after
+// their last task; each warp takes the next token from one counter,
 // in the schedule's token order (ScheduleView::token_order: by the largest local expert index
 // of the token). Every rank walks its local experts in order, so tokens come in about the order
 // they become complete, and a warp rarely waits long. (The GEMM CTAs' idle producer warps were

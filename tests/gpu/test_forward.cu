@@ -386,6 +386,19 @@ INSTANTIATE_TEST_SUITE_P(Ep, FusedVsStaged, ::testing::Combine(::testing::Values
                                   std::to_string(std::get<0>(info.param));
                          });
 
+// The fused forward refuses the workspace's options with kInvalidArgument naming `option`
+// (`what`: the value, for the failure message).
+void expect_forward_refused(Workspace& ws, const RankData& d, const ExpertWeights& ew, const char* option,
+                            const std::string& what) {
+  try {
+    forward(ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+    ADD_FAILURE() << "expected mok::Error for " << what;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(option), std::string::npos) << e.what();
+  }
+}
+
 // A grid the fused kernel cannot keep resident is refused before anything runs.
 TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
   MOK_REQUIRE_GPUS(1);
@@ -401,13 +414,7 @@ TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
     schedule(*ws, d.idx.get(), nullptr);
-    try {
-      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
-      ADD_FAILURE() << "expected mok::Error for grid_sms = " << cfg.grid_sms;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
-      EXPECT_NE(std::string(e.what()).find("grid_sms"), std::string::npos) << e.what();
-    }
+    expect_forward_refused(*ws, d, ew, "grid_sms", "grid_sms = " + std::to_string(cfg.grid_sms));
     ws->check();
   });
 }
@@ -427,17 +434,11 @@ TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
     schedule(*ws, d.idx.get(), nullptr);
     for (int join : {cfg.effective_comm_sms_forward(s) + 1, -2}) {
       ws->impl().join_gemm = join;
-      try {
-        forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
-        ADD_FAILURE() << "expected mok::Error for join_gemm = " << join;
-      } catch (const Error& e) {
-        EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
-        EXPECT_NE(std::string(e.what()).find("join_gemm"), std::string::npos) << e.what();
-      }
+      expect_forward_refused(*ws, d, ew, "join_gemm", "join_gemm = " + std::to_string(join));
     }
     ws->impl().combine_in_place = false;  // own rows copied into the slots: one comm CTA must combine
     ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
-    EXPECT_THROW(forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr), Error);
+    expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with rows to combine");
     ws->check();
   });
 }
