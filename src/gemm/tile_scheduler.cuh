@@ -43,7 +43,17 @@ struct RowTile {
   bool phantom;   // past the last segment (odd tile count): computed in lockstep, never stored
   bool shared_b;  // every CTA of the cluster needs the same B tile
   bool any_real;  // some CTA of the cluster has real rows: run the K loop
+  bool split;     // a K-split tail tile (split_tail_tile): both consumer warpgroups take rows
+                  // [row0, row0 + 64), on alternate K steps (sm90_roles.cuh, KSchedule)
 };
+
+// A tail tile with at most 64 real rows runs K-split when the segments allow it
+// (Segments::split_tail_tiles): half the tile's tensor work, at ~0.65-0.7 of a full tile's
+// time (docs/gemm.md). Its rows' bits then depend on the segment's real-row count, which is
+// why only segments whose counts do not depend on ep or on any knob may enable it.
+__device__ __forceinline__ bool split_tail_tile(bool enabled, int real_rows) {
+  return enabled && real_rows > 0 && real_rows <= kRowTileRows / 2;
+}
 
 struct RowScheduler {
   const int32_t* offsets;  // device [experts + 1], multiples of 128, nondecreasing
@@ -53,6 +63,7 @@ struct RowScheduler {
   int group_m;  // row tiles per raster group
   int cluster;  // CTAs per cluster (1 or 2)
   bool expert_groups;  // cluster 1: raster groups aligned to experts (raster_expert_groups)
+  bool split_tails = false;  // Segments::split_tail_tiles
 
   __device__ SegOffsets seg(uint32_t smem = 0) const { return {offsets, smem}; }
   __device__ int first_row_tile(uint32_t smem = 0) const { return seg(smem)(0) / kRowTileRows; }
@@ -90,6 +101,7 @@ struct RowScheduler {
         tile.expert = e;
         tile.row0 = rt * kRowTileRows;
         tile.real_rows = real;
+        tile.split = split_tail_tile(split_tails, real);
         tile.phantom = !valid;
       }
     }
