@@ -34,9 +34,9 @@
 // --task-counter 0|1: the same with FusedForwardOptions::task_counter (and no comm CTA joining):
 // the tasks round-robin (0) or through the counter (1) (fwd_task_counter_ms).
 // --split-tails 0|1: the same with FusedForwardOptions::split_tail_tiles (K-split routed tail
-// tiles; on by default), and the GEMMs alone with the same setting, timed interleaved with the
-// default's (fwd_split_tails_ms, gemms_alone_split_tails_ms). Off changes the bits of the tail
-// rows, so this variant's y is not compared with the default's.
+// tiles; off by default), and the GEMMs alone with the same setting, timed interleaved with the
+// default's (fwd_split_tails_ms, gemms_alone_split_tails_ms). The K-split changes the bits of
+// the tail rows, so this variant's y is not compared with the default's.
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
