@@ -315,8 +315,26 @@ void trace_report(const char* name) {
       sum[8] += at(i, 9) - at(i, 8);      // producer: wait for the first free slot + issue
       sum[9] += at(i, 2) - at(i, 9);      // first stage: producer issue -> consumer acquired
       total += at(i + 1, 0) - at(i, 0);
-      k += at(i, 7);
+      k += std::fmod(at(i, 7), double(kTraceSplitTile));
       ++count;
+    }
+  }
+  // Full and K-split tiles apart (slot 7 carries kTraceSplitTile for a K-split tile).
+  for (int split = 0; split < 2; ++split) {
+    double n = 0, kl = 0, ep = 0, nx = 0, tot = 0, ks = 0;
+    for (int c = 0; c < kTraceCtas; ++c) {
+      auto at = [&](int i, int slot) { return double(t[(size_t(c) * kTraceTiles + i) * kTraceSlots + slot]); };
+      int m = 0;
+      while (m < kTraceTiles && at(m, 0) != 0) ++m;
+      for (int i = 1; i + 1 < m; ++i) {
+        if ((at(i, 7) >= kTraceSplitTile) != (split == 1)) continue;
+        n += 1, kl += at(i, 3) - at(i, 2), ep += at(i, 4) - at(i, 3), nx += at(i + 1, 0) - at(i, 4);
+        tot += at(i + 1, 0) - at(i, 0), ks += std::fmod(at(i, 7), double(kTraceSplitTile));
+      }
+    }
+    if (n > 0) {
+      std::printf("trace %-16s %s tiles: %5.0f, %5.1f K steps, cycles/tile %7.0f: K loop %7.0f + epilogue %6.0f + next %6.0f\n",
+                  name, split ? "K-split" : "full   ", n, ks / n, tot / n, kl / n, ep / n, nx / n);
     }
   }
   if (count == 0) { std::printf("trace %-16s no tiles recorded\n", name); return; }

@@ -38,16 +38,6 @@ constexpr bool packs_pairs() {
   }
 }
 
-// Whether a tile runs K-split (RowTile::split; tiles of the K-grouped kinds never do).
-template <class Tile>
-__device__ __forceinline__ bool split_tile(const Tile& t) {
-  if constexpr (requires { t.split; }) {
-    return t.split;
-  } else {
-    return false;
-  }
-}
-
 // A deferred epilogue's tile in waiting: its bf16 bits and where they go (empty for kinds
 // that store at once).
 template <class Kind, bool = deferred_epilogue<Kind>()>

@@ -31,6 +31,7 @@ struct ErrorSink {
 // issued the last stage, 7 K steps, 8 producer has the tile's coordinates, 9 producer issued
 // the first stage. Without the macro every mark compiles to nothing.
 inline constexpr int kTraceCtas = 8, kTraceTiles = 4096, kTraceSlots = 10;
+inline constexpr int kTraceSplitTile = 1 << 20;  // added to slot 7 for a K-split tile (RowTile::split)
 #ifdef MOK_GEMM_TRACE
 __device__ inline void trace_mark(const ErrorSink& e, int local_tile, int slot, long long v) {
   if (e.trace != nullptr && blockIdx.x < kTraceCtas && local_tile >= 0 && local_tile < kTraceTiles) {

@@ -114,6 +114,16 @@ constexpr int deferred_pieces() {
   }
 }
 
+// Whether a tile runs K-split (RowTile::split; tiles of the K-grouped kinds never do).
+template <class Tile>
+__device__ __forceinline__ bool split_tile(const Tile& t) {
+  if constexpr (requires { t.split; }) {
+    return t.split;
+  } else {
+    return false;
+  }
+}
+
 // ---- Producer ----------------------------------------------------------------------------
 
 // One thread issues every TMA load of the CTA. Returns early only on a timeout.
@@ -128,7 +138,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
     const auto tile = Kind::tile(p, sched, t, rank, seg);
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
-    MOK_GEMM_MARK(p.err, local, 7, k_steps);
+    MOK_GEMM_MARK(p.err, local, 7, k_steps + (split_tile(tile) ? kTraceSplitTile : 0));
     MOK_GEMM_MARK(p.err, local, 8, clock64());
     (void)local;
     for (int k = 0; k < k_steps; ++k) {
