@@ -104,7 +104,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     Kind::seed(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
-    const KSchedule ks = k_schedule(Kind::k_steps(p, tile), split_tile(tile), wg);
+    const KSchedule ks = k_schedule(Kind::k_steps(p, tile), kSplittable && split_tile(p, tile), wg);
     const int k_steps = ks.steps;  // this warpgroup's batches
     // The batches after which the hook's work runs. The next tile's coordinates: after the
     // second batch (two batches, ~2k cycles, cover their ~1-3k cycles). Deferred epilogues:
@@ -134,7 +134,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
         (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
       }(std::make_integer_sequence<int, kPieces - 1>{});
     };
-    ok = mma_mainloop<Cfg>(ss, st, ks, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
+    ok = mma_mainloop<Cfg, kSplittable>(ss, st, ks, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if constexpr (kDeferred) {

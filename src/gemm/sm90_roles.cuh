@@ -14,6 +14,7 @@
 #include "gemm/gemm_config.hpp"
 #include "gemm/sm90_pipeline.cuh"
 #include "gemm/swiglu_math.cuh"
+#include "gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -114,11 +115,12 @@ constexpr int deferred_pieces() {
   }
 }
 
-// Whether a tile runs K-split (RowTile::split; tiles of the K-grouped kinds never do).
-template <class Tile>
-__device__ __forceinline__ bool split_tile(const Tile& t) {
-  if constexpr (requires { t.split; }) {
-    return t.split;
+// Whether a tile runs K-split (split_tail_tile with the kind's RowScheduler::split_tails; the
+// K-grouped kinds never do).
+template <class P, class Tile>
+__device__ __forceinline__ bool split_tile(const P& p, const Tile& t) {
+  if constexpr (requires { p.sched.split_tails; t.real_rows; }) {
+    return split_tail_tile(p.sched.split_tails, t.real_rows);
   } else {
     return false;
   }
@@ -138,7 +140,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
     const auto tile = Kind::tile(p, sched, t, rank, seg);
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
-    MOK_GEMM_MARK(p.err, local, 7, k_steps + (split_tile(tile) ? kTraceSplitTile : 0));
+    MOK_GEMM_MARK(p.err, local, 7, k_steps + (split_tile(p, tile) ? kTraceSplitTile : 0));
     MOK_GEMM_MARK(p.err, local, 8, clock64());
     (void)local;
     for (int k = 0; k < k_steps; ++k) {
@@ -266,8 +268,9 @@ struct NoHook {
 // so work placed there (the next tile's coordinates, a deferred epilogue) overlaps the tensor
 // cores instead of delaying the next tile's first wgmma. It must not touch `acc`. Use
 // hook_slot() to pick the batch after which a piece of work runs.
-// ks: this warpgroup's batches of the tile (k_schedule); k counts its own batches.
-template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
+// ks: this warpgroup's batches of the tile (k_schedule); k counts its own batches. kSplit: the
+// kernel may get K-split tiles (else the pass steps are compiled out).
+template <class Cfg, bool kSplit = false, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, const KSchedule& ks,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                              const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1,
@@ -277,7 +280,9 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   (void)trace_tile;
   if (ks.steps <= 0) during_k_loop(-1);
   for (int k = 0; k < ks.steps; ++k) {
-    if (k >= ks.pass_from && !pass_stage<Cfg>(ss, st, err, tid_in_wg, ks.wg)) return false;
+    if constexpr (kSplit) {
+      if (k >= ks.pass_from && !pass_stage<Cfg>(ss, st, err, tid_in_wg, ks.wg)) return false;
+    }
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
     if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -295,7 +300,9 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   cute::warpgroup_wait<0>();
   cute::warpgroup_fence_operand(acc);
   if (prev >= 0) release_stage(ss, prev, tid_in_wg);
-  if (ks.pass_last && !pass_stage<Cfg>(ss, st, err, tid_in_wg, ks.wg)) return false;
+  if constexpr (kSplit) {
+    if (ks.pass_last && !pass_stage<Cfg>(ss, st, err, tid_in_wg, ks.wg)) return false;
+  }
   return true;
 }
 

@@ -43,14 +43,13 @@ struct RowTile {
   bool phantom;   // past the last segment (odd tile count): computed in lockstep, never stored
   bool shared_b;  // every CTA of the cluster needs the same B tile
   bool any_real;  // some CTA of the cluster has real rows: run the K loop
-  bool split;     // a K-split tail tile (split_tail_tile): both consumer warpgroups take rows
-                  // [row0, row0 + 64), on alternate K steps (sm90_roles.cuh, KSchedule)
 };
 
 // A tail tile with at most 64 real rows runs K-split when the segments allow it
-// (Segments::split_tail_tiles): half the tile's tensor work, at ~0.65-0.7 of a full tile's
-// time (docs/gemm.md). Its rows' bits then depend on the segment's real-row count, which is
-// why only segments whose counts do not depend on ep or on any knob may enable it.
+// (Segments::split_tail_tiles; sm90_roles.cuh, KSchedule): both consumer warpgroups on its 64
+// rows, on alternate K steps. Its rows' bits then depend on the segment's real-row count, which
+// is why only segments whose counts do not depend on ep or on any knob may enable it. (Not a
+// RowTile field: a fourth bool there made the consumers spill.)
 __device__ __forceinline__ bool split_tail_tile(bool enabled, int real_rows) {
   return enabled && real_rows > 0 && real_rows <= kRowTileRows / 2;
 }
@@ -101,7 +100,6 @@ struct RowScheduler {
         tile.expert = e;
         tile.row0 = rt * kRowTileRows;
         tile.real_rows = real;
-        tile.split = split_tail_tile(split_tails, real);
         tile.phantom = !valid;
       }
     }

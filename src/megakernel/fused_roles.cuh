@@ -98,8 +98,7 @@ struct FusedForwardParams {
 
 // ---- tiles ----------------------------------------------------------------------------------
 
-__device__ __forceinline__ gemm::RowTile make_row_tile(int expert, int row_tile, int real_rows, int n_tile,
-                                                       bool split) {
+__device__ __forceinline__ gemm::RowTile make_row_tile(int expert, int row_tile, int real_rows, int n_tile) {
   gemm::RowTile t{};
   t.expert = expert;
   t.row0 = row_tile * gemm::kRowTileRows;
@@ -108,7 +107,6 @@ __device__ __forceinline__ gemm::RowTile make_row_tile(int expert, int row_tile,
   t.phantom = false;
   t.shared_b = false;
   t.any_real = real_rows > 0;
-  t.split = split;
   return t;
 }
 
@@ -118,13 +116,13 @@ __device__ __forceinline__ gemm::RowTile make_row_tile(int expert, int row_tile,
 __device__ inline gemm::RowTile tile_of(const FusedForwardParams& p, const Task& t) {
   if (is_shared(t.kind)) {
     const int real = min(max(p.shared_tokens - t.row_tile * gemm::kRowTileRows, 0), gemm::kRowTileRows);
-    return make_row_tile(0, t.row_tile, real, t.n_tile, false);
+    return make_row_tile(0, t.row_tile, real, t.n_tile);
   }
   const gemm::RowScheduler& s = p.routed1.sched;
   const int e = s.expert_of(t.row_tile);
   const int real = min(max(__ldg(s.rows + e) - (t.row_tile * gemm::kRowTileRows - __ldg(s.offsets + e)), 0),
                        gemm::kRowTileRows);
-  return make_row_tile(e, t.row_tile, real, t.n_tile, gemm::split_tail_tile(s.split_tails, real));
+  return make_row_tile(e, t.row_tile, real, t.n_tile);
 }
 
 __device__ __forceinline__ const gemm::Gemm1SwigluParams& gemm1_params(const FusedForwardParams& p, TaskKind k) {
@@ -190,7 +188,6 @@ __device__ __forceinline__ TaskSlot read_task_slot(const TaskSlot& in) {
   s.tile.phantom = u(in.tile.phantom) != 0;
   s.tile.shared_b = u(in.tile.shared_b) != 0;
   s.tile.any_real = u(in.tile.any_real) != 0;
-  s.tile.split = u(in.tile.split) != 0;
   s.k_steps = u(in.k_steps);
   return s;
 }
@@ -424,7 +421,8 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     const int k_steps = slot.k_steps;
     const bool gather = t.kind == TaskKind::kGemm1 && k_steps > 0;
     if (gather) {
-      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane, tile.split);
+      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane,
+                          gemm::split_tile(p.routed1, tile));
       __syncwarp();
     }
     for (int k = 0; k < max(k_steps, 1); ++k) {  // a task without K steps: one stage without loads
@@ -585,8 +583,9 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     // A K-split tile: both warpgroups already waited for its first position (the slot above).
-    const gemm::KSchedule ks = gemm::k_schedule(k_steps, tile.split, wg);
-    if (!gemm::mma_mainloop<Cfg>(ss, st, ks, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
+    // (shared1 / shared2 never split: their sched.split_tails is false.)
+    const gemm::KSchedule ks = gemm::k_schedule(k_steps, g1 ? gemm::split_tile(p1, tile) : gemm::split_tile(p2, tile), wg);
+    if (!gemm::mma_mainloop<Cfg, true>(ss, st, ks, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
     if (ks.split) {  // the halves' sums as the standalone kernel packs them, stored at once (same bits)
       if (g1) split_epilogue<G1Kind>(p1, ss, tile, ctx, wg, acc); else split_epilogue<G2Kind>(p2, ss, tile, ctx, wg, acc);
