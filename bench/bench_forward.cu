@@ -17,7 +17,7 @@
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
-//                 [--join N] [--task-counter 0|1] [--split-tails 0|1]
+//                 [--join N] [--task-counter 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -33,10 +33,6 @@
 // -1 automatic = the default, 0 none; at EP >= 2 capped at the comm count - 1; fwd_join_ms).
 // --task-counter 0|1: the same with FusedForwardOptions::task_counter (and no comm CTA joining):
 // the tasks round-robin (0) or through the counter (1) (fwd_task_counter_ms).
-// --split-tails 0|1: the same with FusedForwardOptions::split_tail_tiles (K-split routed tail
-// tiles; off by default), and the GEMMs alone with the same setting, timed interleaved with the
-// default's (fwd_split_tails_ms, gemms_alone_split_tails_ms). The K-split changes the bits of
-// the tail rows, so this variant's y is not compared with the default's.
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -81,8 +77,6 @@ struct Options {
   int join = -1;
   bool counter_variant = false;  // --task-counter V given
   int task_counter = -1;
-  bool split_variant = false;  // --split-tails V given
-  bool split_tails = true;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int64_t tokens = 0;
@@ -119,10 +113,6 @@ Options parse(int argc, char** argv) {
     else if (k == "--task-counter") {
       o.task_counter = std::stoi(v);
       o.counter_variant = true;
-    }
-    else if (k == "--split-tails") {
-      o.split_tails = std::stoi(v) != 0;
-      o.split_variant = true;
     }
     else if (k == "--join") {
       o.join = std::stoi(v);
@@ -273,8 +263,6 @@ struct RankResult {
   std::map<int, double> fused_help_ms;  // GEMM CTAs dispatching the first rows too (--help-rows N)
   std::map<int, double> fused_join_ms;  // comm CTAs taking GEMM tasks (--join N)
   std::map<int, double> fused_counter_ms;  // no comm CTA joining, tasks round-robin or by counter (--task-counter V)
-  std::map<int, double> fused_split_ms;  // split_tail_tiles = --split-tails V
-  double gemms_split_ms = 0;             // the GEMMs alone with split_tail_tiles = V
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
@@ -309,7 +297,6 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     std::map<int, double>* ms;
     Configure configure;
     const char* tag;  // trace file name part ("" for the default)
-    bool same_bits = true;  // y compared with the default's
   };
   const Mode modes[] = {
       {true, &res.fused_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, ""},
@@ -334,9 +321,6 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.task_counter = op.task_counter;
        },
        "-task-counter"},
-      {o.split_variant, &res.fused_split_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.split_tail_tiles = op.split_tails; },
-       "-split-tails", o.split_tails},
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
@@ -373,7 +357,6 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     ws->check();
     for (size_t j = 0; j < on.size(); ++j) (*on[j]->ms)[c] = ms[j];
     for (size_t j = 1; j < on.size(); ++j) {  // each variant's y against the default's
-      if (!on[j]->same_bits) continue;
       MOK_CUDA_CHECK(cudaStreamSynchronize(st));
       sync.arrive_and_wait();
       schedule(*ws, L.topk_idx.get(), st);
@@ -401,17 +384,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   });
   ws->check();
   res.fused_vs_staged = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
-  if (o.split_variant) {  // the GEMMs alone with both settings, interleaved
-    megakernel::StagedForwardOptions sv = so;
-    sv.split_tail_tiles = o.split_tails;
-    const std::vector<double> ms = time_interleaved_ms(o, sync, st, 2, [&](int j) {
-      megakernel::forward_gemms_only(state, buf, w, j == 0 ? so : sv, st);
-    });
-    res.gemms_ms = ms[0];
-    res.gemms_split_ms = ms[1];
-  } else {
-    res.gemms_ms = time_ms(o, sync, st, [&] { megakernel::forward_gemms_only(state, buf, w, so, st); });
-  }
+  res.gemms_ms = time_ms(o, sync, st, [&] { megakernel::forward_gemms_only(state, buf, w, so, st); });
   ws->check();
 
   // Unfused baseline: maps from this rank's schedule rows (downloaded once, not timed).
@@ -522,16 +495,8 @@ int main(int argc, char** argv) {
     const double best_help = variant(o.help_variant, "help", &RankResult::fused_help_ms);
     const double best_join = variant(o.join_variant, "join", &RankResult::fused_join_ms);
     const double best_counter = variant(o.counter_variant, "task_counter", &RankResult::fused_counter_ms);
-    const double best_split = variant(o.split_variant, "split_tails", &RankResult::fused_split_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.split_variant) {
-      const double gs = worst([](const RankResult& r) { return r.gemms_split_ms; });
-      sweep << ", \"gemms_alone_split_tails_ms\": " << fmt(gs);
-      std::printf("%-7s split_tail_tiles %d: best fused %.3f ms, GEMMs alone %.3f ms (the default's interleaved: %.3f)\n",
-                  o.shapes[i].c_str(), o.split_tails ? 1 : 0, best_split, gs,
-                  worst([](const RankResult& r) { return r.gemms_ms; }));
-    }
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),

@@ -8,10 +8,7 @@
 //                                           [--json FILE] [--commit STR] [--quick] [--sweep]
 //                                           [--segments uniform,skewed,random]
 //                                           [--warm-ms MS (300; --quick 50)] [--series]
-//                                           [--split-tails 0|1]
 // --sweep adds developer variants on dsv3 (cluster attribute, raster group sizes).
-// --split-tails 1: the row kinds with K-split tail tiles (Segments::split_tail_tiles; not dgrad
-// of GEMM 2, which refuses them).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -132,7 +129,6 @@ std::vector<int> segment_rows(const ModelShape& s, SegMode mode) {
 // lighter one runs faster than it would in a training step. Every measurement therefore first
 // runs its own kernel for g_warm_ms (after 2 warm-up launches), ours and cuBLAS alike.
 double g_warm_ms = 300.0;
-bool g_split_tails = false;  // --split-tails: Segments::split_tail_tiles of the row kinds
 bool g_series = false;  // developer: print the launch times of the warm-up and the timed reps
 
 float median_ms(const std::function<void()>& fn, int reps, cudaStream_t stream) {
@@ -208,7 +204,7 @@ struct Bench {
     int32_t* d_rows = dalloc<int32_t>(s.E);
     CK(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_rows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
-    seg = {d_off, d_rows, s.E, R, g_split_tails};
+    seg = {d_off, d_rows, s.E, R};
     d_err = dalloc<uint32_t>(1);
     CK(cudaMemset(d_err, 0, 4));
   }
@@ -315,26 +311,8 @@ void trace_report(const char* name) {
       sum[8] += at(i, 9) - at(i, 8);      // producer: wait for the first free slot + issue
       sum[9] += at(i, 2) - at(i, 9);      // first stage: producer issue -> consumer acquired
       total += at(i + 1, 0) - at(i, 0);
-      k += std::fmod(at(i, 7), double(kTraceSplitTile));
+      k += at(i, 7);
       ++count;
-    }
-  }
-  // Full and K-split tiles apart (slot 7 carries kTraceSplitTile for a K-split tile).
-  for (int split = 0; split < 2; ++split) {
-    double n = 0, kl = 0, ep = 0, nx = 0, tot = 0, ks = 0;
-    for (int c = 0; c < kTraceCtas; ++c) {
-      auto at = [&](int i, int slot) { return double(t[(size_t(c) * kTraceTiles + i) * kTraceSlots + slot]); };
-      int m = 0;
-      while (m < kTraceTiles && at(m, 0) != 0) ++m;
-      for (int i = 1; i + 1 < m; ++i) {
-        if ((at(i, 7) >= kTraceSplitTile) != (split == 1)) continue;
-        n += 1, kl += at(i, 3) - at(i, 2), ep += at(i, 4) - at(i, 3), nx += at(i + 1, 0) - at(i, 4);
-        tot += at(i + 1, 0) - at(i, 0), ks += std::fmod(at(i, 7), double(kTraceSplitTile));
-      }
-    }
-    if (n > 0) {
-      std::printf("trace %-16s %s tiles: %5.0f, %5.1f K steps, cycles/tile %7.0f: K loop %7.0f + epilogue %6.0f + next %6.0f\n",
-                  name, split ? "K-split" : "full   ", n, ks / n, tot / n, kl / n, ep / n, nx / n);
     }
   }
   if (count == 0) { std::printf("trace %-16s no tiles recorded\n", name); return; }
@@ -450,9 +428,7 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
   {
     const double f1 = 2.0 * rr * H * I, f2 = 2.0 * rr * 2 * I * H;
     trace_begin();
-    mok::gemm::Segments seg_dh = b.seg;
-    seg_dh.split_tail_tiles = false;  // dgrad_hidden_swiglu takes no K-split tiles
-    const float ms1 = median_ms([&] { dgrad_hidden_swiglu({seg_dh, H, I, dys, wd, g, u, dg, du}, L, stream); }, reps, stream);
+    const float ms1 = median_ms([&] { dgrad_hidden_swiglu({b.seg, H, I, dys, wd, g, u, dg, du}, L, stream); }, reps, stream);
     trace_report("dgrad_dh_swiglu");
     trace_begin();
     const float ms2 = median_ms([&] { dgrad_input({b.seg, H, I, dg, du, wg, wu, dx}, L, stream); }, reps, stream);
@@ -460,7 +436,7 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
     const float d1 = dense(M, I, H), d2 = dense(M, H, 2 * I);
     res.push_back({"dgrad_dh_swiglu", f1, ms1, d1, 0});
     res.push_back({"dgrad_dx", f2, ms2, d2, 0});
-    const float ms1c = median_ms([&] { dgrad_hidden_swiglu({seg_dh, H, I, dys, wd, g, u, dg, du}, b.launch(2), stream); }, reps, stream);
+    const float ms1c = median_ms([&] { dgrad_hidden_swiglu({b.seg, H, I, dys, wd, g, u, dg, du}, b.launch(2), stream); }, reps, stream);
     const float ms2c = median_ms([&] { dgrad_input({b.seg, H, I, dg, du, wg, wu, dx}, b.launch(2), stream); }, reps, stream);
     res.push_back({"dgrad_cluster2", f1 + f2, ms1c + ms2c, d1 + d2, 0});
     res.push_back({"dgrad", f1 + f2, ms1 + ms2, d1 + d2, 0});
@@ -521,7 +497,6 @@ int main(int argc, char** argv) {
     else if (a == "--warm-ms" && i + 1 < argc) warm_ms = std::atof(argv[++i]);
     else if (a == "--series") g_series = true;
     else if (a == "--sweep") sweep = true;
-    else if (a == "--split-tails" && i + 1 < argc) g_split_tails = std::atoi(argv[++i]) != 0;
     else if (a == "--segments" && i + 1 < argc) segments = argv[++i];
     else {
       std::fprintf(stderr, "bench_gemm: unknown or incomplete argument '%s' (see the usage at the top of bench_gemm.cu)\n", a.c_str());

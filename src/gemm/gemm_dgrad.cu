@@ -5,17 +5,12 @@
 #include "gemm/grouped_gemm.hpp"
 #include "gemm/sm90_kinds_rows.cuh"
 #include "gemm/sm90_launch.cuh"
-#include "mok/error.hpp"
 
 namespace mok::gemm {
 
 void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStream_t stream) {
   using host::check_pointer;
   host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
-  if (a.seg.split_tail_tiles) {  // its epilogue needs each element's fp32 sum (gemm::packs_pairs)
-    throw_invalid("seg.split_tail_tiles", "false for dgrad_hidden_swiglu (its SwiGLU backward epilogue takes no K-split tiles)",
-                  "true");
-  }
   check_pointer("dys", a.dys);
   check_pointer("w_down", a.w_down);
   check_pointer("g", a.g);

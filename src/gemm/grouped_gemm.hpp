@@ -28,14 +28,6 @@ struct Segments {
   const int32_t* rows = nullptr;     // device [experts]
   int experts = 0;
   int64_t buffer_rows = 0;  // allocated rows of the row buffers, a multiple of 128
-  // Row kinds (forward, dgrad): a segment's last row tile with at most 64 real rows runs
-  // K-split (both consumer warpgroups on its 64 rows, alternate K steps, the two fp32 halves
-  // added once): about 0.65-0.7 of a full tile's time instead of 1. It changes the bits of
-  // those rows (still deterministic: the decision depends only on rows[e]). Turn it on only
-  // for segments whose real-row counts are the same at every ep and knob, i.e. expert
-  // segments of the global batch; never for per-rank dense rows (the shared expert), whose
-  // tail moves with T per rank. wgrad ignores it.
-  bool split_tail_tiles = false;
 };
 
 struct Launch {

@@ -25,16 +25,15 @@ constexpr bool deferred_epilogue() {
   }
 }
 
-
-// Kinds whose finished tile is 64 bf16 pairs per thread (Kind::pack, Kind::store_piece). Of
-// the row kinds all but dgrad of GEMM 2 (its epilogue needs the fp32 values): only they run
-// K-split tiles (pack_split_sum); the dgrad_hidden_swiglu launcher refuses split segments.
+// A deferred epilogue is stored in pieces (Kind::kDeferredPieces, default 2: the two
+// 128-column store rounds), piece P by Kind::store_piece<P> after wgmma batch
+// Kind::piece_batch(p, P) of the next tile's K loop.
 template <class Kind>
-constexpr bool packs_pairs() {
-  if constexpr (requires { typename Kind::Packed; }) {
-    return sizeof(typename Kind::Packed) == 64 * sizeof(uint32_t);
+constexpr int deferred_pieces() {
+  if constexpr (requires { Kind::kDeferredPieces; }) {
+    return Kind::kDeferredPieces;
   } else {
-    return false;
+    return 2;
   }
 }
 
@@ -61,9 +60,6 @@ template <class Kind, class Cfg, class Scheduler>
 __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
                                    uint32_t seg, int cluster_id, int clusters, int rank) {
   constexpr bool kDeferred = deferred_epilogue<Kind>();
-  // Row kinds that pack bf16 pairs may get K-split tiles (RowTile::split).
-  constexpr bool kSplittable =
-      packs_pairs<Kind>() && std::is_same_v<std::decay_t<decltype(Kind::tile(p, sched, 0, 0, 0))>, RowTile>;
   const int ctid = threadIdx.x - kWarpGroupThreads;
   auto mma = make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
@@ -73,8 +69,6 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   static_assert(decltype(cute::size(acc))::value == Cfg::kBN / 2, "64xBN fragment per thread");
 
   const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
-  // NOTE: warp-uniform for ptxas (a threadIdx-derived value near wgmma serialises it).
-  const int wg = __shfl_sync(0xffffffffu, ctx.wg, 0);
 
   PipeState<Cfg::kStages> st;
   const int tiles = sched.num_tiles();
@@ -104,8 +98,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     Kind::seed(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
-    const KSchedule ks = k_schedule(Kind::k_steps(p, tile), kSplittable && split_tile(p, tile), wg);
-    const int k_steps = ks.steps;  // this warpgroup's batches
+    const int k_steps = Kind::k_steps(p, tile);
     // The batches after which the hook's work runs. The next tile's coordinates: after the
     // second batch (two batches, ~2k cycles, cover their ~1-3k cycles). Deferred epilogues:
     // the previous tile's store pieces and the next tile's coordinates each after their own
@@ -134,31 +127,13 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
         (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
       }(std::make_integer_sequence<int, kPieces - 1>{});
     };
-    ok = mma_mainloop<Cfg, kSplittable>(ss, st, ks, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
+    ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if constexpr (kDeferred) {
-      if constexpr (kSplittable) {
-        if (ks.split) {
-          pack_split_sum<Cfg>(ss, ctx, wg, tile.real_rows, acc, pending.packed.v);
-        } else {
-          Kind::pack(p, tile, ctx, acc, pending.packed);
-        }
-      } else {
-        Kind::pack(p, tile, ctx, acc, pending.packed);
-      }
+      Kind::pack(p, tile, ctx, acc, pending.packed);
       pending.where = Kind::pending_of(tile);
       pending.waiting = !tile.phantom;
-    } else if constexpr (kSplittable) {
-      if (ks.split) {  // the deferred path's pieces, stored at once (the same bits as the epilogue)
-        typename Kind::Packed packed;
-        pack_split_sum<Cfg>(ss, ctx, wg, tile.real_rows, acc, packed.v);
-        [&]<int... P>(std::integer_sequence<int, P...>) {
-          (Kind::template store_piece<P>(p, Kind::pending_of(tile), ctx, packed), ...);
-        }(std::make_integer_sequence<int, deferred_pieces<Kind>()>{});
-      } else if (!tile.phantom) {
-        Kind::epilogue(p, tile, ctx, acc);
-      }
     } else {
       if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
     }
@@ -224,7 +199,7 @@ __device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<
     }
     Kind::seed(p, tile, ctx, acc);
     if (local > 0) pingpong_wait_turn(wg);
-    const bool ok = mma_mainloop<Cfg>(ss, st, k_schedule(k_steps), mma, tCrA, tCrB, acc, p.err, ctx.tid);
+    const bool ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid);
     if (t + ctas < tiles) pingpong_pass_turn(wg);
     if (!ok) {
       t += ctas, ++local;

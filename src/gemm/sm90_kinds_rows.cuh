@@ -42,15 +42,6 @@ struct RowKindBase {
   }
 };
 
-// The first A row a stage of kind params `p` loads. A K-split tile's odd positions belong to
-// consumer warpgroup 1, whose wgmma reads stage rows [64, 128): loading from row0 - 64 puts the
-// tile's rows [0, 64) there (rows before 0 of the tensor read as zeros, never used). Even
-// positions load as usual, and warpgroup 0 reads stage rows [0, 64).
-template <class P>
-__device__ __forceinline__ int a_row(const P& p, const RowTile& t, int k) {
-  return t.row0 - (split_tail_tile(p.sched.split_tails, t.real_rows) && (k & 1) ? 64 : 0);
-}
-
 // Stores fragment value pairs (bits of acc(i), already packed bf16x2) of column blocks
 // J0..J0+15 into out[row0 + 64*wg .., col0 ..] through the staging boxes; columns at or past
 // `cols` are clipped (TMA never writes outside the tensor, a fully outside box is skipped).
@@ -101,7 +92,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
   // B box 0 = W_gate rows, box 1 = W_up rows of the same intermediate indices.
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {
-    tma_load_2d(&p.x, bar, a, 64 * k, a_row(p, t, k));
+    tma_load_2d(&p.x, bar, a, 64 * k, t.row0);
     load_b(p, t, k, b, bar, rank);
   }
   // B alone (a gathering producer writes A itself).
@@ -248,7 +239,7 @@ struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major:
   }
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {
-    tma_load_2d(&p.h, bar, a, 64 * k, a_row(p, t, k));
+    tma_load_2d(&p.h, bar, a, 64 * k, t.row0);
     load_b_boxes<C, 2>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(&p.w_down, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 256 * t.n_tile + 128 * box, t.expert, mask);
     });
@@ -291,7 +282,7 @@ struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, kPipeStag
     const int half = p.k_steps / 2;
     const bool up = k >= half;
     const int kk = up ? k - half : k;
-    tma_load_2d(up ? &p.du : &p.dg, bar, a, 64 * kk, a_row(p, t, k));
+    tma_load_2d(up ? &p.du : &p.dg, bar, a, 64 * kk, t.row0);
     const CUtensorMap* w = up ? &p.w_up : &p.w_gate;
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(w, bar, b + box * 8192, 256 * t.n_tile + 64 * box, 64 * kk, t.expert, mask);
@@ -330,7 +321,7 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   }
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {
-    tma_load_2d(&p.dys, bar, a, 64 * k, a_row(p, t, k));
+    tma_load_2d(&p.dys, bar, a, 64 * k, t.row0);
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(&p.w_down, bar, b + box * 8192, 256 * t.n_tile + 64 * box, 64 * k, t.expert, mask);
     });

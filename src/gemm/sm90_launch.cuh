@@ -60,7 +60,6 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   s.group_m = group_m_override(group_m);
   s.cluster = 1;  // set by the launcher
   s.expert_groups = expert_raster_groups();
-  s.split_tails = seg.split_tail_tiles;
   return s;
 }
 

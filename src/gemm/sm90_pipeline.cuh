@@ -31,7 +31,6 @@ struct ErrorSink {
 // issued the last stage, 7 K steps, 8 producer has the tile's coordinates, 9 producer issued
 // the first stage. Without the macro every mark compiles to nothing.
 inline constexpr int kTraceCtas = 8, kTraceTiles = 4096, kTraceSlots = 10;
-inline constexpr int kTraceSplitTile = 1 << 20;  // added to slot 7 for a K-split tile (RowTile::split)
 #ifdef MOK_GEMM_TRACE
 __device__ inline void trace_mark(const ErrorSink& e, int local_tile, int slot, long long v) {
   if (e.trace != nullptr && blockIdx.x < kTraceCtas && local_tile >= 0 && local_tile < kTraceTiles) {
@@ -123,14 +122,7 @@ struct StageBarriers {
 
 // Named barriers (id 0 is __syncthreads). One per consumer warpgroup for its epilogue.
 // Ping-pong consumers: kOrderAfterWG0 / kOrderAfterWG1 = "that warpgroup finished its K loop".
-// kSplitReduce: both consumer warpgroups, adding a K-split tile's halves (pack_split_sum).
-enum class NamedBarrier : uint32_t {
-  kEpilogueWG0 = 1,
-  kEpilogueWG1 = 2,
-  kOrderAfterWG0 = 3,
-  kOrderAfterWG1 = 4,
-  kSplitReduce = 5
-};
+enum class NamedBarrier : uint32_t { kEpilogueWG0 = 1, kEpilogueWG1 = 2, kOrderAfterWG0 = 3, kOrderAfterWG1 = 4 };
 
 __device__ inline void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -13,8 +13,6 @@
 
 #include "gemm/gemm_config.hpp"
 #include "gemm/sm90_pipeline.cuh"
-#include "gemm/swiglu_math.cuh"
-#include "gemm/tile_scheduler.cuh"
 
 namespace mok::gemm {
 
@@ -103,29 +101,6 @@ __device__ inline void skip_stages(PipeState<Stages>& st, int steps) {
   st.phase ^= static_cast<uint32_t>((pos / Stages) & 1);
 }
 
-// A deferred epilogue is stored in pieces (Kind::kDeferredPieces, default 2: the two
-// 128-column store rounds), piece P by Kind::store_piece<P> after wgmma batch
-// Kind::piece_batch(p, P) of the next tile's K loop.
-template <class Kind>
-constexpr int deferred_pieces() {
-  if constexpr (requires { Kind::kDeferredPieces; }) {
-    return Kind::kDeferredPieces;
-  } else {
-    return 2;
-  }
-}
-
-// Whether a tile runs K-split (split_tail_tile with the kind's RowScheduler::split_tails; the
-// K-grouped kinds never do).
-template <class P, class Tile>
-__device__ __forceinline__ bool split_tile(const P& p, const Tile& t) {
-  if constexpr (requires { p.sched.split_tails; t.real_rows; }) {
-    return split_tail_tile(p.sched.split_tails, t.real_rows);
-  } else {
-    return false;
-  }
-}
-
 // ---- Producer ----------------------------------------------------------------------------
 
 // One thread issues every TMA load of the CTA. Returns early only on a timeout.
@@ -140,7 +115,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
     const auto tile = Kind::tile(p, sched, t, rank, seg);
     Kind::producer_check(p, tile);
     const int k_steps = Kind::k_steps(p, tile);
-    MOK_GEMM_MARK(p.err, local, 7, k_steps + (split_tile(p, tile) ? kTraceSplitTile : 0));
+    MOK_GEMM_MARK(p.err, local, 7, k_steps);
     MOK_GEMM_MARK(p.err, local, 8, clock64());
     (void)local;
     for (int k = 0; k < k_steps; ++k) {
@@ -213,46 +188,6 @@ constexpr int empty_barrier_arrivals() {
   return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
 }
 
-// Which ring positions of a tile one consumer warpgroup computes. A full tile: every one
-// (0 .. k_steps-1). A K-split tail tile (RowTile::split): the warpgroups alternate, warpgroup
-// w computing positions w, w + 2, ... on the tile's 64 real rows (the producer puts them in
-// the stage rows that w's wgmma reads, Kind::load_stage); a warpgroup only PASSES the other
-// one's positions: it waits for them to fill, then releases them at once. So every stage is
-// still released by both warpgroups: no stage is refilled (in the fused kernel with a new task
-// slot) before both passed it, and no parity wait ever runs two phases ahead of its barrier.
-// The two fp32 halves are added once, in the epilogue (pack_split_sum): a fixed order.
-struct KSchedule {
-  int steps;       // wgmma batches of this warpgroup
-  int pass_from;   // before each batch k >= pass_from, pass one position of the other warpgroup
-  bool pass_last;  // after the last batch, pass the tile's last position (the other's)
-  bool split;
-  int wg;          // consumer warpgroup (warp-uniform)
-};
-__device__ inline KSchedule k_schedule(int k_steps, bool split = false, int wg = 0) {
-  if (!split) return {k_steps, k_steps, false, false, wg};
-  // Warpgroup 0 computes ceil(k/2) positions (0, 2, ...), passing 1, 3, ... before its
-  // batches 1, 2, ...; warpgroup 1 computes floor(k/2) (1, 3, ...), passing 0, 2, ... first.
-  const int steps = (k_steps + 1 - wg) / 2;
-  const int covered = wg == 0 ? max(2 * steps - 1, 0) : 2 * steps;
-  return {steps, wg == 0 ? 1 : 0, k_steps > covered, true, wg};
-}
-
-// Passes the ring position of the other warpgroup (KSchedule): wait until it filled, release.
-// In a cluster one thread per warpgroup speaks for all (release_stage), so the warpgroup
-// first meets on its barrier: no lagging warp may still wait on a stage already refilled.
-template <class Cfg>
-__device__ inline bool pass_stage(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, const ErrorSink& err,
-                                  int tid_in_wg, int wg) {
-  if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
-  if constexpr (Cfg::kClusterM > 1) {
-    named_barrier_sync(static_cast<uint32_t>(wg == 0 ? NamedBarrier::kEpilogueWG0 : NamedBarrier::kEpilogueWG1),
-                       kWarpGroupThreads);
-  }
-  release_stage(ss, st.index, tid_in_wg);
-  st.advance();
-  return true;
-}
-
 // The batch after which hook work wanted after batch `want` runs in a K loop of k_steps
 // batches: `want`, or the last batch of a shorter loop (-1 without batches, see mma_mainloop).
 __device__ inline int hook_slot(int want, int k_steps) { return k_steps > want ? want : k_steps - 1; }
@@ -268,21 +203,16 @@ struct NoHook {
 // so work placed there (the next tile's coordinates, a deferred epilogue) overlaps the tensor
 // cores instead of delaying the next tile's first wgmma. It must not touch `acc`. Use
 // hook_slot() to pick the batch after which a piece of work runs.
-// ks: this warpgroup's batches of the tile (k_schedule); k counts its own batches. kSplit: the
-// kernel may get K-split tiles (else the pass steps are compiled out).
-template <class Cfg, bool kSplit = false, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
-__device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, const KSchedule& ks,
+template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
+__device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                              const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1,
                              Hook during_k_loop = {}) {
   using cute::_;
   int prev = -1;
   (void)trace_tile;
-  if (ks.steps <= 0) during_k_loop(-1);
-  for (int k = 0; k < ks.steps; ++k) {
-    if constexpr (kSplit) {
-      if (k >= ks.pass_from && !pass_stage<Cfg>(ss, st, err, tid_in_wg, ks.wg)) return false;
-    }
+  if (k_steps <= 0) during_k_loop(-1);
+  for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
     if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -300,12 +230,8 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   cute::warpgroup_wait<0>();
   cute::warpgroup_fence_operand(acc);
   if (prev >= 0) release_stage(ss, prev, tid_in_wg);
-  if constexpr (kSplit) {
-    if (ks.pass_last && !pass_stage<Cfg>(ss, st, err, tid_in_wg, ks.wg)) return false;
-  }
   return true;
 }
-
 
 // ---- Epilogue ----------------------------------------------------------------------------
 
@@ -335,50 +261,6 @@ __device__ inline EpiCtx make_epi_ctx(SharedStorage<Cfg>& ss, int wg, int tid) {
   ctx.stage = ss.epi[wg];
   ctx.stage_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(ctx.stage));
   return ctx;
-}
-
-// A K-split tile's epilogue input (RowTile::split): what Kind::pack makes (v[j] = bf16 pair of
-// fragment values 2j, 2j + 1, padding rows zero; the same for every row kind) from the SUM of
-// both consumer warpgroups' accumulators, even + odd K steps: one fp32 add, a fixed order.
-// Warpgroup 1 hands its values over through the epilogue staging of both warpgroups in two
-// rounds of 32 KiB (values [0, 64), then [64, 128)); both warpgroups hold the same 64 rows in
-// the same fragment layout, so thread t of warpgroup 0 adds thread t's values. Warpgroup 1's
-// rows are all padding: its pairs are zeros. Both warpgroups call it (warp-uniform `wg`).
-// NOTE: the sums go straight into the pairs: adding into the accumulator registers instead made
-// ptxas serialise every wgmma (C7515) or, as selects, spill in every consumer.
-template <class Cfg, class Acc>
-__device__ inline void pack_split_sum(SharedStorage<Cfg>& ss, const EpiCtx& ctx, int wg, int real_rows,
-                                      const Acc& acc, uint32_t (&v)[64]) {
-  static_assert(decltype(cute::size(acc))::value == 128, "64 x 256 fp32 fragment per thread");
-  constexpr int kRoundVals = 64;  // 128 threads x 64 fp32 = 32 KiB = both warpgroups' staging
-  static_assert(Cfg::kConsumerWGs * Cfg::kEpiBytesPerWG >= kWarpGroupThreads * kRoundVals * 4,
-                "a round of the partial sums fits in the epilogue staging");
-  constexpr uint32_t kId = static_cast<uint32_t>(NamedBarrier::kSplitReduce);
-  constexpr uint32_t kThreads = Cfg::kConsumerThreads;
-  const bool real0 = ctx.row_in_tile(0) < real_rows, real1 = ctx.row_in_tile(1) < real_rows;
-  float4* buf = reinterpret_cast<float4*>(&ss.epi[0][0]);  // the warpgroups' staging is contiguous
-  if (ctx.tid == 0) cute::tma_store_wait<0>();  // this warpgroup's earlier TMA stores read their staging
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    named_barrier_sync(kId, kThreads);  // r = 0: both stagings free; r = 1: round 0 was read
-    if (wg == 1) {
-#pragma unroll
-      for (int q = 0; q < kRoundVals / 4; ++q) {
-        const int i = r * kRoundVals + 4 * q;
-        buf[q * kWarpGroupThreads + ctx.tid] = make_float4(acc(i), acc(i + 1), acc(i + 2), acc(i + 3));
-      }
-    }
-    named_barrier_sync(kId, kThreads);
-#pragma unroll
-    for (int q = 0; q < kRoundVals / 4; ++q) {
-      const int i = r * kRoundVals + 4 * q, j = i / 2;  // pairs j (row half 0) and j + 1 (row half 1)
-      asm volatile("" ::: "memory");  // one float4 in flight: the round's loads hoisted would spill
-      const float4 o = buf[q * kWarpGroupThreads + ctx.tid];
-      v[j] = real0 ? pack_bf16x2(acc(i) + o.x, acc(i + 1) + o.y) : 0u;
-      v[j + 1] = real1 ? pack_bf16x2(acc(i + 2) + o.z, acc(i + 3) + o.w) : 0u;
-    }
-  }
-  named_barrier_sync(kId, kThreads);  // the staging is free for the stores
 }
 
 // Byte offset in the staging box pair of this thread's column pair in fragment block jj

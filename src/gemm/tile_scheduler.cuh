@@ -45,15 +45,6 @@ struct RowTile {
   bool any_real;  // some CTA of the cluster has real rows: run the K loop
 };
 
-// A tail tile with at most 64 real rows runs K-split when the segments allow it
-// (Segments::split_tail_tiles; sm90_roles.cuh, KSchedule): both consumer warpgroups on its 64
-// rows, on alternate K steps. Its rows' bits then depend on the segment's real-row count, which
-// is why only segments whose counts do not depend on ep or on any knob may enable it. (Not a
-// RowTile field: a fourth bool there made the consumers spill.)
-__device__ __forceinline__ bool split_tail_tile(bool enabled, int real_rows) {
-  return enabled && real_rows > 0 && real_rows <= kRowTileRows / 2;
-}
-
 struct RowScheduler {
   const int32_t* offsets;  // device [experts + 1], multiples of 128, nondecreasing
   const int32_t* rows;     // device [experts], real rows per segment
@@ -62,7 +53,6 @@ struct RowScheduler {
   int group_m;  // row tiles per raster group
   int cluster;  // CTAs per cluster (1 or 2)
   bool expert_groups;  // cluster 1: raster groups aligned to experts (raster_expert_groups)
-  bool split_tails = false;  // Segments::split_tail_tiles
 
   __device__ SegOffsets seg(uint32_t smem = 0) const { return {offsets, smem}; }
   __device__ int first_row_tile(uint32_t smem = 0) const { return seg(smem)(0) / kRowTileRows; }

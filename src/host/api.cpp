@@ -61,7 +61,6 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.fused_topk_sum = impl.fused_topk_sum;
     options.join_gemm = impl.join_gemm;
     options.task_counter = impl.task_counter;
-    options.split_tail_tiles = impl.split_tail_tiles;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;
@@ -71,7 +70,6 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.timeout_s = impl.config.wait_timeout_s;
     options.dedup = impl.dispatch_dedup;
     options.own_rows_in_place = impl.combine_in_place;
-    options.split_tail_tiles = impl.split_tail_tiles;
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);
   }
   impl.last_stream = stream;

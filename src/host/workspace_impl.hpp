@@ -44,9 +44,6 @@ struct Workspace::Impl {
   int join_gemm = -1;
   // Fused path: the GEMM tasks' hand-out (FusedForwardOptions::task_counter; -1 automatic).
   int task_counter = -1;
-  // Both paths: K-split routed tail tiles (FusedForwardOptions::split_tail_tiles; off, measured
-  // slower as built). Changes the bits of those rows (deterministically).
-  bool split_tail_tiles = false;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

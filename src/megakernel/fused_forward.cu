@@ -253,9 +253,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.routed1.sched.n_tiles = static_cast<int>(ceil_div(I, 128));
   p.routed1.sched.group_m = gemm::kGroupM;
   p.routed1.sched.cluster = 1;
-  // K-split routed tail tiles, as the staged forward's expert segments; routed2's scheduler is
-  // read only for this flag (its A loads). The shared expert's schedulers keep it off.
-  p.routed1.sched.split_tails = p.routed2.sched.split_tails = o.split_tail_tiles;
   if (s.has_shared()) {
     gemm::host::check_pointer("ForwardArgs.x", args.x);
     // x itself is the shared expert's row operand: TMA reads rows past T as zeros, exactly

@@ -64,12 +64,6 @@ struct FusedForwardOptions {
   // dsv3, docs/megakernel.md); 0 round-robin over the GEMM CTAs (no comm CTA may join then).
   // Same tiles, same bits.
   int task_counter = -1;
-  // Routed tail tiles with <= 64 real rows run K-split (gemm::Segments::split_tail_tiles). Off by
-  // default: as built (alternate ring positions per warpgroup) it measured SLOWER at EP 1 (dsv3
-  // fused +12 %, GEMMs alone +46 %; docs/gemm.md, tenth session), kept for the redesign. Changes
-  // the bits of those rows (deterministically); the staged forward must use the same setting
-  // for the same bits.
-  bool split_tail_tiles = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

@@ -21,7 +21,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include <type_traits>
-#include <utility>
 
 #include "comm/role_types.hpp"
 #include "comm/roles.cuh"
@@ -111,8 +110,7 @@ __device__ __forceinline__ gemm::RowTile make_row_tile(int expert, int row_tile,
 }
 
 // The RowTile the standalone GEMM would build for this (row tile, column block): same expert,
-// same real rows, so the same loads, K loop (K-split for a routed tail tile of <= 64 rows when
-// the segments allow it, never for the shared expert's per-rank rows) and masked stores.
+// same real rows, so the same loads, K loop and masked stores.
 __device__ inline gemm::RowTile tile_of(const FusedForwardParams& p, const Task& t) {
   if (is_shared(t.kind)) {
     const int real = min(max(p.shared_tokens - t.row_tile * gemm::kRowTileRows, 0), gemm::kRowTileRows);
@@ -350,13 +348,10 @@ static_assert(sizeof(GatherTable) == FusedCta::kGatherTableBytes, "gather table 
 static_assert(sizeof(gemm::SharedStorage<Cfg>) + 1023 + sizeof(GatherTable) <= FusedCta::kSmemBytes,
               "shared storage + gather table exceed the allocation");
 
-// A K-split tile (RowTile::split) reads its 64 real rows in both halves of every stage: stage
-// row j holds tile row j % 64, whichever warpgroup's position it is (what the TMA producer's
-// a_row gives for the half each warpgroup reads).
 __device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, GatherTable& table, int row_begin,
-                                           int rows, int lane, bool split) {
+                                           int rows, int lane) {
   for (int j = row_begin + lane; j < row_begin + rows; j += 32) {
-    const comm::RowEntry e = g.rows[row0 + (split ? j % (gemm::kRowTileRows / 2) : j)];
+    const comm::RowEntry e = g.rows[row0 + j];
     const char* src = g.own_x;
     if (e.src_rank == g.rank) {
       src = g.own_x + e.token * g.row_bytes;
@@ -421,8 +416,7 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     const int k_steps = slot.k_steps;
     const bool gather = t.kind == TaskKind::kGemm1 && k_steps > 0;
     if (gather) {
-      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane,
-                          gemm::split_tile(p.routed1, tile));
+      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
       __syncwarp();
     }
     for (int k = 0; k < max(k_steps, 1); ++k) {  // a task without K steps: one stage without loads
@@ -526,19 +520,6 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
   return nullptr;
 }
 
-// The epilogue of a K-split tile (RowTile::split): both warpgroups' sums packed as the
-// standalone kernel packs them (gemm::pack_split_sum), then the kind's deferred store pieces,
-// at once: the bits and the bulk-store groups of Kind::epilogue.
-template <class Kind, class Acc>
-__device__ inline void split_epilogue(const typename Kind::Params& p, gemm::SharedStorage<Cfg>& ss,
-                                      const gemm::RowTile& t, const gemm::EpiCtx& ctx, int wg, const Acc& acc) {
-  typename Kind::Packed packed;
-  gemm::pack_split_sum<Cfg>(ss, ctx, wg, t.real_rows, acc, packed.v);
-  [&]<int... P>(std::integer_sequence<int, P...>) {
-    (Kind::template store_piece<P>(p, Kind::pending_of(t), ctx, packed), ...);
-  }(std::make_integer_sequence<int, gemm::deferred_pieces<Kind>()>{});
-}
-
 // Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
 // over, until its end slot). `trace_cta`: this CTA's trace row.
 __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
@@ -552,8 +533,6 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
 
   const gemm::EpiCtx ctx = gemm::make_epi_ctx(ss, ctid / gemm::kWarpGroupThreads, ctid % gemm::kWarpGroupThreads);
-  // NOTE: warp-uniform for ptxas (a threadIdx-derived value near wgmma serialises it).
-  const int wg = __shfl_sync(0xffffffffu, ctx.wg, 0);
 
   gemm::PipeState<Cfg::kStages> st;
   PendingTile pending;  // meaningful in thread 0 of the warpgroup only
@@ -582,18 +561,9 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       st.advance();
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
-    // A K-split tile: both warpgroups already waited for its first position (the slot above).
-    // (shared1 / shared2 never split: their sched.split_tails is false.)
-    const gemm::KSchedule ks = gemm::k_schedule(k_steps, g1 ? gemm::split_tile(p1, tile) : gemm::split_tile(p2, tile), wg);
-    if (!gemm::mma_mainloop<Cfg, true>(ss, st, ks, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
-    if (ks.split) {  // the halves' sums as the standalone kernel packs them, stored at once (same bits)
-      if (g1) split_epilogue<G1Kind>(p1, ss, tile, ctx, wg, acc); else split_epilogue<G2Kind>(p2, ss, tile, ctx, wg, acc);
-    } else if (g1) {
-      G1Kind::epilogue(p1, tile, ctx, acc);
-    } else {
-      G2Kind::epilogue(p2, tile, ctx, acc);
-    }
+    if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
       if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
       else pending.rotate<kGemm2StoreGroups>(done_counter(p, t));

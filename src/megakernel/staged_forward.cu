@@ -50,10 +50,8 @@ void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeight
     gemm::gemm2({seg, s.hidden, s.shared_intermediate, b.shared_h.get(), w.shared_down, b.shared_out.get()}, launch,
                 stream);
   }
-  // The expert segments hold the global batch's rows of each expert (the same counts at every
-  // ep): their tail tiles may run K-split. The shared expert's per-rank rows above may not.
   const gemm::Segments seg{b.seg_offsets.get(), b.seg_rows.get(), static_cast<int>(s.local_experts()),
-                           b.buffer_rows, o.split_tail_tiles};
+                           b.buffer_rows};
   gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), b.g.get(), b.u.get()}, launch,
                      stream);
   gemm::gemm2({seg, s.hidden, s.intermediate, b.h.get(), w.down, b.expert_out.get()}, launch, stream);

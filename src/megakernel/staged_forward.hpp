@@ -42,7 +42,6 @@ struct StagedForwardOptions {
   bool own_rows_in_place = true;  // combine moves only other ranks' rows; the epilogue reads own ones in place
   int gemm_grid = 0;    // persistent GEMM CTAs; 0 = every SM
   double timeout_s = 10.0;
-  bool split_tail_tiles = false;  // routed segments: FusedForwardOptions::split_tail_tiles (off)
 };
 
 // One forward pass on `stream` after mok::schedule(). Writes y; g, u (and shared g, u), the

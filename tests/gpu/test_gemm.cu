@@ -1,8 +1,6 @@
 // GPU tests of the Hopper grouped GEMM engine (src/gemm): every kind against the CPU
 // reference (docs/numerics.md), padding rows zero, bitwise determinism across repeats and
-// grid sizes, and wgrad split over several calls == one call. The row kinds also run with
-// K-split tail tiles (Segments::split_tail_tiles): the same checks, plus the rows of full
-// tiles bitwise equal to the run without it.
+// grid sizes, and wgrad split over several calls == one call.
 #include <gtest/gtest.h>
 
 #include <stdlib.h>
@@ -74,25 +72,13 @@ struct Problem {
   DeviceBuffer<int32_t> d_off, d_rows;
   DeviceBuffer<uint32_t> d_err{1};
 
-  bool split = false;  // Segments::split_tail_tiles
-
-  Problem(const Shape& s, bool split_tails = false)
-      : l(make_layout(s.rows, s.extra)), H(s.H), I(s.I), E(static_cast<int>(s.rows.size())), d_off(E + 1),
-        d_rows(E), split(split_tails) {
+  Problem(const Shape& s) : l(make_layout(s.rows, s.extra)), H(s.H), I(s.I), E(static_cast<int>(s.rows.size())),
+                            d_off(E + 1), d_rows(E) {
     d_off.upload(l.offsets);
     d_rows.upload(l.rows);
     cudaMemset(d_err.ptr, 0, sizeof(uint32_t));
   }
-  gemm::Segments seg() const { return {d_off.ptr, d_rows.ptr, E, l.buffer_rows, split}; }
-  // Buffer rows in a K-split tile: a segment's last row tile with 1..64 real rows.
-  bool in_split_tile(int64_t r) const {
-    for (int e = 0; e < E; ++e) {
-      if (r < l.offsets[e] || r >= l.offsets[e + 1]) continue;
-      const int tail0 = (l.rows[e] - 1) / 128 * 128, tail_rows = l.rows[e] - tail0;
-      return l.rows[e] > 0 && r - l.offsets[e] >= tail0 && r - l.offsets[e] < tail0 + 128 && tail_rows <= 64;
-    }
-    return false;
-  }
+  gemm::Segments seg() const { return {d_off.ptr, d_rows.ptr, E, l.buffer_rows}; }
   gemm::Launch launch(Variant v) const { return {v.grid, d_err.ptr, 10.0, v.cluster}; }
   void expect_no_error() {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -149,42 +135,10 @@ void check_rows_output(const Problem& pb, const Bits& got, const std::vector<flo
   expect_padding_zero(pb.l, got, cols, what);
 }
 
-// With K-split tail tiles (pb.split): `run` once more without them. Rows of full tiles must
-// keep their bits. (The K-split tiles' rows add two fp32 halves instead of one K order, but the
-// outputs are bf16: an fp32 difference of an ulp or two rarely changes a rounded value, so
-// whether any of their bits differ depends on the data; the case must at least have such tiles.)
-void check_split_against_unsplit(Problem& pb, const std::vector<DeviceBuffer<uint16_t>*>& outs,
-                                 const std::vector<Bits>& split_bits, const std::vector<int64_t>& cols,
-                                 const std::function<void()>& run, const char* what) {
-  if (!pb.split) return;
-  pb.split = false;
-  for (auto* o : outs) o->poison();
-  run();
-  pb.expect_no_error();
-  pb.split = true;
-  int64_t split_rows = 0;
-  for (size_t k = 0; k < outs.size(); ++k) {
-    const Bits plain = outs[k]->download();
-    for (int64_t r = 0; r < pb.l.buffer_rows; ++r) {
-      const bool split_row = pb.in_split_tile(r);
-      split_rows += split_row && k == 0;
-      for (int64_t c = 0; c < cols[k]; ++c) {
-        const size_t i = static_cast<size_t>(r * cols[k] + c);
-        if (!split_row && plain[i] != split_bits[k][i]) {
-          ADD_FAILURE() << what << " output " << k << ": row " << r << " col " << c
-                        << " (a full tile's) changed with K-split tail tiles";
-          return;
-        }
-      }
-    }
-  }
-  EXPECT_GT(split_rows, 0) << what << ": the case has no K-split tile";
-}
-
 // ---- forward ----------------------------------------------------------------------------
 
-void test_forward(const Shape& s, uint32_t seed, bool split = false) {
-  Problem pb(s, split);
+void test_forward(const Shape& s, uint32_t seed) {
+  Problem pb(s);
   const int64_t R = pb.l.buffer_rows, H = pb.H, I = pb.I;
   const Bits x = random_rows(pb.l, H, seed, 1.0f);
   const Bits wg = random_bits(pb.E * I * H, seed + 1, 0.1f), wu = random_bits(pb.E * I * H, seed + 2, 0.1f);
@@ -194,11 +148,9 @@ void test_forward(const Shape& s, uint32_t seed, bool split = false) {
 
   const auto fx = to_float(x), fwg = to_float(wg), fwu = to_float(wu), fwd = to_float(wd);
   const Gemm1Ref ref1 = ref_gemm1(pb.l, fx, fwg, fwu, H, I);
-  auto run1 = [&](Variant grid) {
+  auto got1 = run_all_grids(pb, {&h, &g, &u}, [&](Variant grid) {
     gemm::gemm1_swiglu({pb.seg(), H, I, bf(dx), bf(dwg), bf(dwu), bf(h), bf(g), bf(u)}, pb.launch(grid), nullptr);
-  };
-  auto got1 = run_all_grids(pb, {&h, &g, &u}, run1, "gemm1_swiglu");
-  check_split_against_unsplit(pb, {&h, &g, &u}, got1, {I, I, I}, [&] { run1(kVariants[0]); }, "gemm1_swiglu");
+  }, "gemm1_swiglu");
   check_rows_output(pb, got1[0], ref1.h, I, "gemm1 h");
   check_rows_output(pb, got1[1], ref1.g, I, "gemm1 g");
   check_rows_output(pb, got1[2], ref1.u, I, "gemm1 u");
@@ -208,17 +160,15 @@ void test_forward(const Shape& s, uint32_t seed, bool split = false) {
   auto dhid = device_bits(hid);
   const auto fhid = to_float(hid), wdt = transpose_experts(fwd, pb.E, H, I);  // [E, I, H]
   const auto ref2 = ref_rows_gemm(pb.l, {&fhid}, {&wdt}, I, H);
-  auto run2 = [&](Variant grid) { gemm::gemm2({pb.seg(), H, I, bf(dhid), bf(dwd), bf(out)}, pb.launch(grid), nullptr); };
-  auto got2 = run_all_grids(pb, {&out}, run2, "gemm2");
-  check_split_against_unsplit(pb, {&out}, got2, {H}, [&] { run2(kVariants[0]); }, "gemm2");
+  auto got2 = run_all_grids(pb, {&out}, [&](Variant grid) {
+    gemm::gemm2({pb.seg(), H, I, bf(dhid), bf(dwd), bf(out)}, pb.launch(grid), nullptr);
+  }, "gemm2");
   check_rows_output(pb, got2[0], ref2, H, "gemm2 out");
 }
 
 // ---- dgrad ------------------------------------------------------------------------------
 
-// split: dgrad_input with K-split tail tiles (dgrad_hidden_swiglu refuses them: its epilogue
-// needs fp32 sums; RejectsBadArguments).
-void test_dgrad(const Shape& s, uint32_t seed, bool split = false) {
+void test_dgrad(const Shape& s, uint32_t seed) {
   Problem pb(s);
   const int64_t R = pb.l.buffer_rows, H = pb.H, I = pb.I;
   const Bits dys = random_rows(pb.l, H, seed, 1.0f);
@@ -260,12 +210,9 @@ void test_dgrad(const Shape& s, uint32_t seed, bool split = false) {
   const auto frdg = to_float(rdg), frdu = to_float(rdu), fwg = to_float(wg), fwu = to_float(wu);
   // W_gate[e] is [I, H] = K x N: one combined K loop over the two parts.
   const auto ref_dx = ref_rows_gemm(pb.l, {&frdg, &frdu}, {&fwg, &fwu}, I, H);
-  pb.split = split;
-  auto run_x = [&](Variant grid) {
+  auto got_x = run_all_grids(pb, {&dx}, [&](Variant grid) {
     gemm::dgrad_input({pb.seg(), H, I, bf(drdg), bf(drdu), bf(dwg), bf(dwu), bf(dx)}, pb.launch(grid), nullptr);
-  };
-  auto got_x = run_all_grids(pb, {&dx}, run_x, "dgrad_input");
-  check_split_against_unsplit(pb, {&dx}, got_x, {H}, [&] { run_x(kVariants[0]); }, "dgrad_input");
+  }, "dgrad_input");
   check_rows_output(pb, got_x[0], ref_dx, H, "dgrad dx");
 }
 
@@ -415,17 +362,6 @@ TEST(GemmGrouped, ForwardHugeExpert) { SKIP_WITHOUT_GPU(); test_forward(kHuge, 1
 TEST(GemmGrouped, DgradOdd) { SKIP_WITHOUT_GPU(); test_dgrad(kOdd, 21); }
 TEST(GemmGrouped, DgradRemainder) { SKIP_WITHOUT_GPU(); test_dgrad(kRemainder, 22); }
 TEST(GemmGrouped, DgradHugeExpert) { SKIP_WITHOUT_GPU(); test_dgrad(kHuge, 23); }
-// K-split tail tiles (segments whose last tile has 1..64 real rows: kOdd 130, 1, 37, 300;
-// kRemainderSplit 37; kHuge 3000, 5) with odd and even K step counts, and one K step (kOneK:
-// warpgroup 1 has no batch, it only passes the tile's one stage).
-const Shape kOneK{{50, 0, 130}, {0, 0, 0}, 64, 64};
-const Shape kRemainderSplit{{200, 0, 37}, {}, 2880, 192};
-TEST(GemmGrouped, ForwardOddSplitTails) { SKIP_WITHOUT_GPU(); test_forward(kOdd, 14, true); }
-TEST(GemmGrouped, ForwardRemainderSplitTails) { SKIP_WITHOUT_GPU(); test_forward(kRemainderSplit, 15, true); }
-TEST(GemmGrouped, ForwardHugeExpertSplitTails) { SKIP_WITHOUT_GPU(); test_forward(kHuge, 16, true); }
-TEST(GemmGrouped, ForwardOneKStepSplitTails) { SKIP_WITHOUT_GPU(); test_forward(kOneK, 17, true); }
-TEST(GemmGrouped, DgradOddSplitTails) { SKIP_WITHOUT_GPU(); test_dgrad(kOdd, 24, true); }
-TEST(GemmGrouped, DgradRemainderSplitTails) { SKIP_WITHOUT_GPU(); test_dgrad(kRemainderSplit, 25, true); }
 TEST(GemmGrouped, WgradOdd) { SKIP_WITHOUT_GPU(); test_wgrad(kOdd, 31); }
 TEST(GemmGrouped, WgradRemainder) { SKIP_WITHOUT_GPU(); test_wgrad(kRemainder, 32); }
 TEST(GemmGrouped, WgradHugeExpert) { SKIP_WITHOUT_GPU(); test_wgrad(kHuge, 33); }
@@ -435,7 +371,6 @@ const Shape kSmall{{70, 0, 129}, {0, 0, 1}, 128, 192};
 TEST(GemmGrouped, SanitizerSmallForward) { SKIP_WITHOUT_GPU(); test_forward(kSmall, 41); }
 TEST(GemmGrouped, SanitizerSmallDgrad) { SKIP_WITHOUT_GPU(); test_dgrad(kSmall, 42); }
 TEST(GemmGrouped, SanitizerSmallWgrad) { SKIP_WITHOUT_GPU(); test_wgrad(kSmall, 43); }
-TEST(GemmGrouped, SanitizerSmallForwardSplitTails) { SKIP_WITHOUT_GPU(); test_forward(kSmall, 44, true); }
 
 TEST(GemmGrouped, RejectsBadArguments) {
   gemm::Gemm2Args a;
@@ -455,20 +390,6 @@ TEST(GemmGrouped, RejectsBadArguments) {
   a.hidden = 128;
   a.seg.buffer_rows = 100;
   EXPECT_THROW(gemm::gemm2(a, {}, nullptr), mok::Error);
-
-  // dgrad_hidden_swiglu takes no K-split tiles (checked before any pointer).
-  gemm::DgradHiddenArgs d;
-  d.seg = a.seg;
-  d.seg.buffer_rows = 128;
-  d.seg.split_tail_tiles = true;
-  d.hidden = d.intermediate = 64;
-  try {
-    gemm::dgrad_hidden_swiglu(d, {}, nullptr);
-    ADD_FAILURE() << "dgrad_hidden_swiglu accepted split_tail_tiles";
-  } catch (const mok::Error& e) {
-    EXPECT_EQ(e.status(), mok::Status::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("split_tail_tiles"), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace
