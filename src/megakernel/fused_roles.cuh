@@ -8,8 +8,8 @@
 //                   inputs (acquire), hands it to the producer through a one-entry queue
 //   gemm_producer   one thread: proxy fence, TMA loads of each task the feeder hands over; after
 //                   the last task an end slot for the consumers
-//   gemm_consumer   two warpgroups: K loop, the previous tile's deferred epilogue (TMA stores)
-//                   inside it, publish that tile (see DeferredTile)
+//   gemm_consumer   two warpgroups: K loop, epilogue (TMA stores), publish the tile (lazily,
+//                   see PendingTile)
 //
 // Completion counters (uint32, zeroed before the kernel; +1 per consumer warpgroup and tile):
 //   s1_done[shared row tile]   shared GEMM1 column blocks written   (target 2 * shared_n1)
@@ -460,80 +460,54 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
 
 // ---- consumers ------------------------------------------------------------------------------
 
-// The consumers defer each tile's epilogue, as the standalone kernel does (gemm::
-// consumer_warpgroup): after a tile's K loop a warpgroup only rounds its accumulator into 64
-// registers of bf16 pairs (Kind::pack, padding rows zero); the store rounds (Kind::store_piece:
-// GEMM 1 g, u, then h computed from the rounded g, u; GEMM 2 two 128-column halves) run inside
-// the NEXT tile's K loop, after some of its wgmma batches, where they overlap the tensor cores
-// instead of pausing them (qwen3's GEMM 2 tiles spent 2.9 of 11 us in the plain epilogue). The
-// same bits as Kind::epilogue (the pieces compute exactly what it computes).
-//
-// Completion is published by thread 0 of each warpgroup, one tile late, as before: after the
-// next tile's K loop (which issued the deferred tile's stores) it waits for them to land and
-// adds 1 to the tile's counter. A consumer never blocks on another CTA while holding an
-// unpublished tile: before it waits for a task whose first stage has not arrived yet (the
-// producer may wait on another CTA, which may wait on this tile), the warpgroup stores and
-// publishes the deferred tile at once (`flush`), and it does so after its last task. Once a
-// task's first stage arrived, its remaining stages depend only on this CTA's own ring, so the
-// deadlock argument of task_list.cuh holds.
-struct DeferredTile {
-  uint32_t v[64];          // Kind::Packed of the tile's kind (both kinds: v[j] = pair of values 2j, 2j + 1)
-  gemm::RowTile tile;
-  TaskKind kind = TaskKind::kGemm1;
-  bool waiting = false;    // stores not issued yet
-  uint32_t* counter = nullptr;  // published once its stores landed (thread 0 of the warpgroup)
+// Completion of a tile is published lazily, so that a consumer warpgroup does not stall on
+// the write-back of its TMA stores after every tile: its thread 0 (which issued and committed
+// the warpgroup's stores) keeps one tile "pending" and publishes it
+//   - after the NEXT tile's epilogue (the older bulk groups have long landed: wait_group N
+//     with N = the groups of the new tile returns at once), or
+//   - before it could block: at the start of a tile whose first stage has not arrived yet
+//     (the producer may be waiting on another CTA, which may be waiting on the pending tile),
+//     and at the end.
+// So a consumer never blocks on another CTA while holding an unpublished tile: the deadlock
+// argument of task_list.cuh still holds (once a tile's first stage has arrived, the rest of
+// its stages depend only on this CTA's own ring).
+template <int Groups>
+__device__ __forceinline__ void bulk_wait_all_but() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(Groups) : "memory");
+}
+
+struct PendingTile {
+  uint32_t* counter = nullptr;
+
+  // The stores of the pending tile have landed (caller waited): +1 on its counter.
+  __device__ void release() {
+    if (counter == nullptr) return;
+    // NOTE: async-proxy (TMA) writes -> generic release; readers acquire, then fence again
+    // before their own TMA loads (wait_for_inputs) or read with ld.global.cg (combine).
+    fence_proxy_async_global();
+    comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
+    counter = nullptr;
+  }
+  __device__ void flush() {
+    if (counter == nullptr) return;
+    gemm::tma_store_wait_all_complete();
+    release();
+  }
+  // After a tile's epilogue that committed `Groups` bulk groups: publish the previous tile.
+  template <int Groups>
+  __device__ void rotate(uint32_t* next) {
+    if (counter != nullptr) {
+      bulk_wait_all_but<Groups>();
+      release();
+    }
+    counter = next;
+  }
 };
 
-// +1 on a tile's counter after its stores landed (the caller waited).
-__device__ inline void publish_tile(uint32_t* counter) {
-  if (counter == nullptr) return;
-  // NOTE: async-proxy (TMA) writes -> generic release; readers acquire, then fence again
-  // before their own TMA loads (wait_for_inputs) or read with ld.global.cg (combine).
-  fence_proxy_async_global();
-  comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
-}
-
-// Piece P (compile time) of the deferred tile, through its kind's store round.
-template <int P>
-__device__ inline void store_deferred_piece(const FusedForwardParams& p, const DeferredTile& d,
-                                            const gemm::EpiCtx& ctx) {
-  if (is_gemm1(d.kind)) {
-    G1Kind::Packed pk;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) pk.v[i] = d.v[i];
-    G1Kind::store_piece<P>(gemm1_params(p, d.kind), G1Kind::pending_of(d.tile), ctx, pk);
-  } else if constexpr (P < 2) {
-    G2Kind::Packed pk;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) pk.v[i] = d.v[i];
-    G2Kind::store_piece<P>(gemm2_params(p, d.kind), G2Kind::pending_of(d.tile), ctx, pk);
-  }
-}
-
-// Every piece of the deferred tile now (no K loop to hide them under).
-__device__ inline void store_deferred_tile(const FusedForwardParams& p, const DeferredTile& d,
-                                           const gemm::EpiCtx& ctx) {
-  store_deferred_piece<0>(p, d, ctx);
-  store_deferred_piece<1>(p, d, ctx);
-  store_deferred_piece<2>(p, d, ctx);  // GEMM 1 only
-}
-
-// True in every thread of the warpgroup when `pred` holds in any of its threads (a named
-// barrier with an OR reduction: a warpgroup-uniform decision from one thread's observation).
-__device__ __forceinline__ bool warpgroup_any(bool pred, uint32_t barrier_id) {
-  uint32_t r;
-  asm volatile(
-      "{\n\t.reg .pred p, q;\n\t"
-      "setp.ne.u32 p, %1, 0;\n\t"
-      "bar.red.or.pred q, %2, 128, p;\n\t"
-      "selp.u32 %0, 1, 0, q;\n\t}"
-      : "=r"(r)
-      : "r"(static_cast<uint32_t>(pred)), "r"(barrier_id)
-      : "memory");
-  // NOTE: shuffled from lane 0 so that ptxas sees a warp-uniform value: a branch on the
-  // barrier's result around the next K loop made it serialise every wgmma (C7518).
-  return __shfl_sync(0xffffffffu, r, 0) != 0;
-}
+// Bulk-store groups each epilogue commits (one per store_round): GEMM1+SwiGLU stores g, u, h;
+// GEMM2 stores two 128-column halves.
+inline constexpr int kGemm1StoreGroups = 3;
+inline constexpr int kGemm2StoreGroups = 2;
 
 __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, const Task& t) {
   switch (t.kind) {
@@ -559,46 +533,18 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
 
   const gemm::EpiCtx ctx = gemm::make_epi_ctx(ss, ctid / gemm::kWarpGroupThreads, ctid % gemm::kWarpGroupThreads);
-  // Warpgroup 1 stores its pieces some batches after warpgroup 0 (as the standalone kernel),
-  // so the two never pause their wgmma issue together. NOTE: made warp-uniform through a
-  // shuffle: a threadIdx-derived value near wgmma serialises it.
-  const int wg1_shift = __shfl_sync(0xffffffffu, ctx.wg == 1 ? gemm::kDeferWg1Shift : 0, 0);
 
   gemm::PipeState<Cfg::kStages> st;
-  DeferredTile deferred;
+  PendingTile pending;  // meaningful in thread 0 of the warpgroup only
   const TaskSlot* slots = task_slots(ss);
-  // The deferred tile's pieces now, then (thread 0) wait for them to land and publish it.
-  auto flush = [&] {
-    if (!deferred.waiting) return;
-    store_deferred_tile(p, deferred, ctx);
-    deferred.waiting = false;
-    if (ctx.tid == 0) {
-      gemm::tma_store_wait_all_complete();
-      publish_tile(deferred.counter);
-    }
-  };
   // NOTE: bounded by the list (a CTA takes at most all of it; the end slot ends the loop): with
   // no bound (for (;;)) ptxas serialised every wgmma of the kernel (C7518).
   const int n = list.size();
   for (int j = 0; j < n; ++j) {
     MOK_FWD_TRACE(const bool stamp = ctid == 0; if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskTileBegin);)
-    // The task arrives with its first stage (TaskSlot). About to block on the producer: store
-    // and publish the deferred tile first (one thread looks, the warpgroup decides together).
-    {
-      const bool block =
-          deferred.waiting &&
-          warpgroup_any(ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase),
-                        ctx.barrier_id());
-      if (block) {
-        store_deferred_tile(p, deferred, ctx);
-        if (ctx.tid == 0) {
-          gemm::tma_store_wait_all_complete();
-          publish_tile(deferred.counter);
-        }
-      }
-      // NOTE: branch-free and shuffled: `waiting` gates the stores in the next K loop, and a
-      // value set inside the branch above made ptxas serialise every wgmma (C7518).
-      deferred.waiting = __shfl_sync(0xffffffffu, deferred.waiting && !block, 0);
+    // The task arrives with its first stage (TaskSlot).
+    if (ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
+      pending.flush();  // about to block on the producer: publish first
     }
     if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, p.routed1.err)) break;
     const TaskSlot slot = read_task_slot(slots[st.index]);
@@ -614,52 +560,20 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       gemm::release_stage(ss, st.index, ctx.tid);
       st.advance();
     }
-    // The batches after which the deferred tile's pieces are stored (its kind's placement:
-    // GEMM 1 g, u, h after batches 1, 5, 7; GEMM 2 after 1, 5; warpgroup 1 wg1_shift later).
-    const bool d1 = is_gemm1(deferred.kind);
-    const int slot0 = gemm::hook_slot((d1 ? p.routed1.defer_round0 : p.routed2.defer_round0) + wg1_shift, k_steps);
-    const int slot1 = gemm::hook_slot((d1 ? p.routed1.defer_round1 : p.routed2.defer_round1) + wg1_shift, k_steps);
-    const int slot2 = gemm::hook_slot(p.routed1.defer_round2 + wg1_shift, k_steps);
-    auto during_k_loop = [&](int k) {
-      if (!deferred.waiting) return;
-      if (k == slot0) store_deferred_piece<0>(p, deferred, ctx);
-      if (k == slot1) store_deferred_piece<1>(p, deferred, ctx);
-      if (k == slot2) store_deferred_piece<2>(p, deferred, ctx);  // GEMM 1 only
-    };
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
-    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
-                                 during_k_loop)) {
-      break;
-    }
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
-    // The deferred tile's stores were issued in the K loop: publish it once they landed.
-    if (deferred.waiting) {
-      deferred.waiting = false;
-      if (ctx.tid == 0) {
-        gemm::tma_store_wait_all_complete();
-        publish_tile(deferred.counter);
-      }
+    if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
+    if (ctx.tid == 0) {
+      if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
+      else pending.rotate<kGemm2StoreGroups>(done_counter(p, t));
     }
-    // This tile waits for the next K loop.
-    if (g1) {
-      G1Kind::Packed pk;
-      G1Kind::pack(p1, tile, ctx, acc, pk);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) deferred.v[i] = pk.v[i];
-    } else {
-      G2Kind::Packed pk;
-      G2Kind::pack(p2, tile, ctx, acc, pk);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) deferred.v[i] = pk.v[i];
-    }
-    deferred.tile = tile;
-    deferred.kind = t.kind;
-    deferred.counter = done_counter(p, t);
-    deferred.waiting = true;
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }
-  flush();  // after the last task (or a timed-out wait: the kernel ends, y is poisoned)
-  if (ctx.tid == 0) gemm::tma_store_wait_all_complete();
+  if (ctx.tid == 0) {
+    gemm::tma_store_wait_all_complete();
+    pending.release();
+  }
 }
 
 }  // namespace mok::megakernel
