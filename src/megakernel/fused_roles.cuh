@@ -462,9 +462,11 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
 
 // Completion of a tile is published lazily, so that a consumer warpgroup does not stall on
 // the write-back of its TMA stores after every tile: its thread 0 (which issued and committed
-// the warpgroup's stores) keeps one tile "pending" and publishes it
-//   - after the NEXT tile's epilogue (the older bulk groups have long landed: wait_group N
-//     with N = the groups of the new tile returns at once), or
+// the warpgroup's stores) keeps the tile "pending" and publishes it
+//   - after the first wgmma batch of the task after the NEXT one, inside its K loop (the older
+//     bulk groups have long landed: wait_group N with N = the groups of the last epilogue
+//     returns at once; and the release's GPU-scope fence then overlaps the tensor cores instead
+//     of holding back warp 0, hence the warpgroup's first wgmma), or
 //   - before it could block: at the start of a tile whose first stage has not arrived yet
 //     (the producer may be waiting on another CTA, which may be waiting on the pending tile),
 //     and at the end.
@@ -487,20 +489,6 @@ struct PendingTile {
     fence_proxy_async_global();
     comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
     counter = nullptr;
-  }
-  __device__ void flush() {
-    if (counter == nullptr) return;
-    gemm::tma_store_wait_all_complete();
-    release();
-  }
-  // After a tile's epilogue that committed `Groups` bulk groups: publish the previous tile.
-  template <int Groups>
-  __device__ void rotate(uint32_t* next) {
-    if (counter != nullptr) {
-      bulk_wait_all_but<Groups>();
-      release();
-    }
-    counter = next;
   }
 };
 
@@ -535,7 +523,23 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   const gemm::EpiCtx ctx = gemm::make_epi_ctx(ss, ctid / gemm::kWarpGroupThreads, ctid % gemm::kWarpGroupThreads);
 
   gemm::PipeState<Cfg::kStages> st;
-  PendingTile pending;  // meaningful in thread 0 of the warpgroup only
+  // Meaningful in thread 0 of the warpgroup only: `pending` = the tile before the last one
+  // (its stores long issued), `fresh` = the last one (stores just issued). `pending` is
+  // published after the NEXT task's first wgmma batch, inside its K loop, so that the release
+  // (a GPU-scope fence and atomic, ~0.5 us) does not hold the warpgroup's first wgmma of the
+  // task back (warp 0 carries it); then `fresh` becomes `pending`.
+  PendingTile pending;
+  uint32_t* fresh = nullptr;
+  bool has_fresh = false, fresh_g1 = false;
+  auto publish_all = [&] {  // thread 0: both tiles, after every store landed
+    gemm::tma_store_wait_all_complete();
+    pending.release();
+    if (has_fresh) {
+      pending.counter = fresh;
+      pending.release();
+      has_fresh = false;
+    }
+  };
   const TaskSlot* slots = task_slots(ss);
   // NOTE: bounded by the list (a CTA takes at most all of it; the end slot ends the loop): with
   // no bound (for (;;)) ptxas serialised every wgmma of the kernel (C7518).
@@ -544,7 +548,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     MOK_FWD_TRACE(const bool stamp = ctid == 0; if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskTileBegin);)
     // The task arrives with its first stage (TaskSlot).
     if (ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
-      pending.flush();  // about to block on the producer: publish first
+      publish_all();  // about to block on the producer: publish first
     }
     if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, p.routed1.err)) break;
     const TaskSlot slot = read_task_slot(slots[st.index]);
@@ -561,19 +565,34 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       st.advance();
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
-    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered)) break;
+    // After this task's first batch (or once, without K steps): publish `pending` (its stores
+    // are older than the last epilogue's groups), `fresh` moves up.
+    const int publish_at = gemm::hook_slot(0, k_steps);
+    auto during_k_loop = [&](int k) {
+      if (k == publish_at && ctx.tid == 0 && has_fresh) {
+        if (pending.counter != nullptr) {
+          if (fresh_g1) bulk_wait_all_but<kGemm1StoreGroups>(); else bulk_wait_all_but<kGemm2StoreGroups>();
+          pending.release();
+        }
+        pending.counter = fresh;
+        has_fresh = false;
+      }
+    };
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
+                                 during_k_loop)) {
+      break;
+    }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
     if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
     if (ctx.tid == 0) {
-      if (g1) pending.rotate<kGemm1StoreGroups>(done_counter(p, t));
-      else pending.rotate<kGemm2StoreGroups>(done_counter(p, t));
+      // (`pending` was published in this task's K loop, or at once when it had to block.)
+      fresh = done_counter(p, t);
+      has_fresh = true;
+      fresh_g1 = g1;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }
-  if (ctx.tid == 0) {
-    gemm::tma_store_wait_all_complete();
-    pending.release();
-  }
+  if (ctx.tid == 0) publish_all();
 }
 
 }  // namespace mok::megakernel
