@@ -49,6 +49,8 @@ std::vector<CommCase> cases(int ep) {
   CommCase mb = make_case("Minibatch128", ep, 512, 128, 4, 2, Pattern::kUniform, 11);
   mb.config.minibatch = 128;
   v.push_back(mb);
+  // More k than the top-k sum loads at once (comm::kEpilogueBatch = 8): two batches and a partial one.
+  v.push_back(make_case("TopK20", ep, 96, 128, 24, 20, Pattern::kUniform, 14));
   return v;
 }
 
