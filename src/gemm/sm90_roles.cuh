@@ -303,8 +303,15 @@ struct Box3dStore {
 // the previous round; with two the round before it, except in round 0, whose predecessor may
 // be the previous tile's last round in the same buffer (its stores finished during this
 // tile's K loop, so that wait costs nothing).
-template <int J0, int Round, class PairFn, class IssueFn>
-__device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue) {
+// `after(stage_saddr)` runs in every thread of the warpgroup once the staging buffer is complete
+// (the fused forward's GEMM 2 also copies its rows of other ranks' tokens from it: fused_push.cuh);
+// the default does nothing. Its reads of the buffer end before the buffer's next use (the next
+// round's barrier).
+struct NoAfterStaging {
+  __device__ void operator()(uint32_t) const {}
+};
+template <int J0, int Round, class PairFn, class IssueFn, class AfterFn = NoAfterStaging>
+__device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue, AfterFn after = {}) {
   constexpr uint32_t kBufBytes = 2 * 64 * kBoxInner * 2;
   constexpr uint32_t kBuf = static_cast<uint32_t>(Round % kEpiBuffers);
   uint8_t* const stage = ctx.stage + kBuf * kBufBytes;
@@ -327,6 +334,7 @@ __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue
     issue(stage + 8192, 1);
     cute::tma_store_arrive();
   }
+  after(stage_saddr);
 }
 
 }  // namespace mok::gemm

@@ -61,6 +61,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.fused_topk_sum = impl.fused_topk_sum;
     options.join_gemm = impl.join_gemm;
     options.task_counter = impl.task_counter;
+    options.epilogue_push = impl.epilogue_push;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;

@@ -44,6 +44,9 @@ struct Workspace::Impl {
   int join_gemm = -1;
   // Fused path: the GEMM tasks' hand-out (FusedForwardOptions::task_counter; -1 automatic).
   int task_counter = -1;
+  // Fused path: the combine pushed from GEMM 2's epilogue (FusedForwardOptions::epilogue_push;
+  // -1 automatic, the default; 0 off; 1 on). Same bits.
+  int epilogue_push = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

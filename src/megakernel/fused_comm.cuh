@@ -81,4 +81,19 @@ __device__ inline void combine_rows_push(const comm::CombineRole& r, int cta, in
   comm::combine_push_warps<FusedWarps<Warps>>(r, cta, nctas);
 }
 
+// With the combine pushed from GEMM 2's epilogue (fused_push.cuh): thread 0 acquires every
+// routed row tile's completion (each published at system scope after its pushes), so the
+// barrier of all ranks that follows covers every row this rank pushed. A timed-out wait is
+// recorded (y is poisoned) and ends the waiting.
+__device__ inline void wait_routed_tiles_final(const comm::CombineRole& r) {
+  if (threadIdx.x != 0 || r.header->status != static_cast<int32_t>(Status::kOk)) return;
+  const int64_t tiles = r.header->padded_rows / kRowTile;
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (!comm::wait_geq<comm::Scope::kGpu>(r.out_ready + t, r.out_ready_target, comm::WaitSite::kCombineSource,
+                                           r.wait)) {
+      return;
+    }
+  }
+}
+
 }  // namespace mok::megakernel

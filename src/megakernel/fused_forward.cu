@@ -38,7 +38,11 @@ __device__ bool comm_cta(const FusedForwardParams& p, int cta) {
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   if (cta >= p.combine_ctas) return true;
   const uint32_t nc = static_cast<uint32_t>(p.combine_ctas);
-  combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(nc));
+  if (p.push.on) {
+    wait_routed_tiles_final(p.combine);  // GEMM 2's epilogues pushed the rows (fused_push.cuh)
+  } else {
+    combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(nc));
+  }
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommCombineEnd);)
   if (p.topk.on) {
     // Each token is summed once its rows arrived (counted per token): no barrier of all ranks.
@@ -177,11 +181,26 @@ int resolve_grid(const FusedForwardOptions& o) {
   return grid;
 }
 
+// Whether GEMM 2's epilogues push the combine's rows (FusedForwardOptions::epilogue_push).
+bool resolve_epilogue_push(const FusedForwardOptions& o) {
+  if (o.epilogue_push < -1 || o.epilogue_push > 1) {
+    throw_invalid("FusedForwardOptions.epilogue_push", "-1 (automatic), 0 (off) or 1 (on)",
+                  std::to_string(o.epilogue_push));
+  }
+  if (o.epilogue_push == 1 && o.fused_topk_sum) {
+    throw_invalid("FusedForwardOptions.epilogue_push",
+                  "0 or -1 with fused_topk_sum (the fused sum counts the comm CTAs' pushed rows per token)", "1");
+  }
+  return o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
+}
+
 // Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
-// The combine has rows to move unless every row is the own rank's and read in place; then at
-// least one comm CTA must stay to combine.
+// The combine has rows to move unless every row is the own rank's and read in place, or GEMM 2's
+// epilogues push them; otherwise at least one comm CTA must stay to combine. With the epilogue
+// push at EP >= 2 one stays to wait for every routed tile and open the barrier of all ranks.
 int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
-  const bool combine_idle = s.ep == 1 && o.own_rows_in_place;
+  const bool push = resolve_epilogue_push(o);
+  const bool combine_idle = s.ep == 1 && (o.own_rows_in_place || push);
   const int most = combine_idle ? o.comm_ctas : o.comm_ctas - 1;
   if (o.task_counter < -1 || o.task_counter > 1) {
     throw_invalid("FusedForwardOptions.task_counter", "-1 (automatic), 0 (round-robin) or 1 (counter)",
@@ -204,7 +223,8 @@ int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
                   std::to_string(o.join_gemm));
   }
   if (o.join_gemm >= 0) return o.join_gemm;
-  return combine_idle ? o.comm_ctas : 0;  // EP >= 2: not measured yet (docs/megakernel.md)
+  if (combine_idle) return o.comm_ctas;
+  return push ? most : 0;  // EP >= 2 without the push: joining measured slower (docs/megakernel.md)
 }
 
 gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf16* gate, const bf16* up,
@@ -305,6 +325,16 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   c.out_ready = p.g2_done;
   c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
   if (!o.combine_remote_list) c.remote_rows = c.remote_count = nullptr;
+  if (resolve_epilogue_push(o)) {
+    EpiloguePush& e = p.push;
+    e.on = true;
+    e.rows = p.view.rows;
+    e.peers = c.peers;
+    e.slots_offset = c.slots_offset;
+    e.row_bytes = c.row_bytes;
+    e.topk = static_cast<int>(s.topk);
+    e.own_rows = !o.own_rows_in_place;
+  }
   if (o.fused_topk_sum) {
     c.count_arrivals = true;
     TopkSumParams& t = p.topk;

@@ -64,6 +64,12 @@ struct FusedForwardOptions {
   // dsv3, docs/megakernel.md); 0 round-robin over the GEMM CTAs (no comm CTA may join then).
   // Same tiles, same bits.
   int task_counter = -1;
+  // The combine pushed from GEMM 2's epilogue (fused_push.cuh): each routed GEMM 2 tile's warps
+  // copy its rows of other ranks' tokens (and, with own_rows_in_place off, the own rank's) from
+  // the staging buffer into their slots, so the comm CTAs have no combine and (join_gemm
+  // automatic) all but one take GEMM tasks after their dispatch share at EP >= 2. Same bits.
+  // -1 (default): automatic (off until measured at EP >= 2); 0 off; 1 on. Not with fused_topk_sum.
+  int epilogue_push = -1;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

@@ -27,6 +27,7 @@
 #include "comm/wait.cuh"
 #include "gemm/sm90_kinds_rows.cuh"
 #include "megakernel/forward_trace.cuh"
+#include "megakernel/fused_push.cuh"
 #include "megakernel/fused_topk_sum.cuh"
 #include "megakernel/task_list.cuh"
 
@@ -92,6 +93,7 @@ struct FusedForwardParams {
   int64_t help_tiles = 0;
   GatherParams gather;
   TopkSumParams topk;  // the fused top-k sum (fused_topk_sum.cuh); off: the epilogue kernel after this one
+  EpiloguePush push;   // the combine from GEMM 2's epilogue (fused_push.cuh); off: the comm CTAs combine
   MOK_FWD_TRACE(trace::Sink trace;)
 };
 
@@ -480,6 +482,7 @@ __device__ __forceinline__ void bulk_wait_all_but() {
 
 struct PendingTile {
   uint32_t* counter = nullptr;
+  bool sys = false;  // the tile pushed rows to other ranks (fused_push.cuh): release at system scope
 
   // The stores of the pending tile have landed (caller waited): +1 on its counter.
   __device__ void release() {
@@ -487,7 +490,13 @@ struct PendingTile {
     // NOTE: async-proxy (TMA) writes -> generic release; readers acquire, then fence again
     // before their own TMA loads (wait_for_inputs) or read with ld.global.cg (combine).
     fence_proxy_async_global();
-    comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
+    if (sys) {
+      // NOTE: cumulative: the warpgroup's NVLink stores of the push, ordered before this thread
+      // by its named barriers, become visible system-wide before the count.
+      comm::fetch_add_release<comm::Scope::kSystem>(counter, 1u);
+    } else {
+      comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
+    }
     counter = nullptr;
   }
 };
@@ -530,12 +539,13 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   // task back (warp 0 carries it); then `fresh` becomes `pending`.
   PendingTile pending;
   uint32_t* fresh = nullptr;
-  bool has_fresh = false, fresh_g1 = false;
+  bool has_fresh = false, fresh_g1 = false, fresh_sys = false;
   auto publish_all = [&] {  // thread 0: both tiles, after every store landed
     gemm::tma_store_wait_all_complete();
     pending.release();
     if (has_fresh) {
       pending.counter = fresh;
+      pending.sys = fresh_sys;
       pending.release();
       has_fresh = false;
     }
@@ -575,6 +585,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
           pending.release();
         }
         pending.counter = fresh;
+        pending.sys = fresh_sys;
         has_fresh = false;
       }
     };
@@ -583,12 +594,20 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       break;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
-    if (g1) G1Kind::epilogue(p1, tile, ctx, acc); else G2Kind::epilogue(p2, tile, ctx, acc);
+    const bool push = p.push.on && t.kind == TaskKind::kGemm2;
+    if (g1) {
+      G1Kind::epilogue(p1, tile, ctx, acc);
+    } else if (push) {
+      gemm2_epilogue_push(p2, p.push, tile, ctx, acc);
+    } else {
+      G2Kind::epilogue(p2, tile, ctx, acc);
+    }
     if (ctx.tid == 0) {
       // (`pending` was published in this task's K loop, or at once when it had to block.)
       fresh = done_counter(p, t);
       has_fresh = true;
       fresh_g1 = g1;
+      fresh_sys = push;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }

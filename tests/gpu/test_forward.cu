@@ -293,7 +293,12 @@ struct PassBits {
 //                default joins them all at EP 1)
 //   kJoinMost    fused only: every comm CTA but one takes GEMM tasks after its dispatch share
 //   kRoundRobin  fused only: tasks round-robin over the GEMM CTAs (FusedForwardOptions::task_counter = 0)
-enum class CopyModes { kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin };
+//   kPush        fused only: GEMM 2's epilogues push the combine's rows (FusedForwardOptions::epilogue_push)
+//   kPushAll     fused only: the same with the own rows pushed too (own rows not read in place): at EP 1
+//                every row goes through the push
+enum class CopyModes {
+  kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll
+};
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -303,7 +308,9 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     RankData d = upload_rank(p, r.rank);
     auto ws = Workspace::create(s, cfg, r.comm, r.device);
     ws->impl().forward_path = path;
-    ws->impl().dispatch_dedup = ws->impl().combine_in_place = modes != CopyModes::kPlain;
+    ws->impl().dispatch_dedup = modes != CopyModes::kPlain;
+    ws->impl().combine_in_place = modes != CopyModes::kPlain && modes != CopyModes::kPushAll;
+    if (modes == CopyModes::kPush || modes == CopyModes::kPushAll) ws->impl().epilogue_push = 1;
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
     if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
     ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum;
@@ -356,7 +363,13 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_no_join = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kNoJoin);
   const auto fused_join_most = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kJoinMost);
   const auto fused_round_robin = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kRoundRobin);
+  const auto fused_push = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPush);
+  const auto fused_push_all = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAll);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_push[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM 2 epilogue push";
+    EXPECT_TRUE(same_bits(fused_push_all[r].y, fused[r].y))
+        << c.name << " rank " << r << ": y, GEMM 2 epilogue push of every row";
+    EXPECT_TRUE(same_bits(fused_push_all[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, push";
     EXPECT_TRUE(same_bits(fused_round_robin[r].y, fused[r].y)) << c.name << " rank " << r << ": y, tasks round-robin";
     EXPECT_TRUE(same_bits(fused_no_join[r].y, fused[r].y)) << c.name << " rank " << r << ": y, no comm CTA joining";
     EXPECT_TRUE(same_bits(fused_join_most[r].y, fused[r].y)) << c.name << " rank " << r << ": y, all but one joining";
@@ -439,6 +452,30 @@ TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
     ws->impl().combine_in_place = false;  // own rows copied into the slots: one comm CTA must combine
     ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
     expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with rows to combine");
+    ws->check();
+  });
+}
+
+// epilogue_push outside -1..1, or on together with the fused top-k sum (which counts the comm
+// CTAs' pushed rows per token), is refused before anything runs, naming the option.
+TEST(FusedForward, RefusesBadEpiloguePushOptions) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
+  const Problem p = make_problem(s, Pattern::kUniform, 10);
+  const Config cfg = default_config(s);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), nullptr);
+    for (int v : {2, -2}) {
+      ws->impl().epilogue_push = v;
+      expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push = " + std::to_string(v));
+    }
+    ws->impl().epilogue_push = 1;
+    ws->impl().fused_topk_sum = true;
+    expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push with fused_topk_sum");
     ws->check();
   });
 }
