@@ -9,11 +9,15 @@
 // The bytes are the staged tile's bytes (the bf16 pairs TMA stores), so the slots hold exactly
 // what the comm CTAs' combine copies from expert_out: same bits.
 //
-// Memory ordering: a warp's NVLink stores, then the warpgroup's named barriers of the next
-// store round or tile, then thread 0 publishes the tile with a SYSTEM-scope release on
-// g2_done (PendingTile::sys; cumulative, so it covers the stores the barriers ordered before
-// it). The comm CTA acquires every g2_done (GPU scope), then opens the barrier of all ranks
-// (__threadfence_system, system-scope flags); the epilogue kernel reads the slots after it.
+// Memory ordering: a warp's NVLink stores, then the warpgroup's named barrier at the end of the
+// epilogue, then thread 0 publishes the tile with its release on g2_done (GPU scope, as every
+// tile); the comm CTA acquires every g2_done (GPU scope), then opens the barrier of all ranks
+// (__threadfence_system, system-scope flags); the epilogue kernel reads the slots after that
+// barrier. The pushes precede the barrier's system-scope release in causality order (PTX memory
+// model: bar.sync, then release/acquire pairs, each morally strong; the order is transitive and
+// the fences cumulative), so the peer's epilogue kernel sees them. Developer knob
+// MOK_FORWARD_PUSH_SYS_RELEASE=1: publish pushing tiles with a system-scope release instead
+// (measurement only: the same bits, a costlier fence per tile).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +36,7 @@ struct EpiloguePush {
   int64_t row_bytes = 0;                 // H * 2
   int topk = 1;
   bool own_rows = false;  // also the own rank's rows (own_rows_in_place off)
+  bool sys_release = false;  // MOK_FORWARD_PUSH_SYS_RELEASE=1 (developer knob, see above)
 };
 
 // The slot base address of each of a warp's 16 tile rows (lane r < 16 holds row r's; nullptr:

@@ -482,7 +482,7 @@ __device__ __forceinline__ void bulk_wait_all_but() {
 
 struct PendingTile {
   uint32_t* counter = nullptr;
-  bool sys = false;  // the tile pushed rows to other ranks (fused_push.cuh): release at system scope
+  bool sys = false;  // release at system scope (EpiloguePush::sys_release, a developer knob)
 
   // The stores of the pending tile have landed (caller waited): +1 on its counter.
   __device__ void release() {
@@ -491,8 +491,6 @@ struct PendingTile {
     // before their own TMA loads (wait_for_inputs) or read with ld.global.cg (combine).
     fence_proxy_async_global();
     if (sys) {
-      // NOTE: cumulative: the warpgroup's NVLink stores of the push, ordered before this thread
-      // by its named barriers, become visible system-wide before the count.
       comm::fetch_add_release<comm::Scope::kSystem>(counter, 1u);
     } else {
       comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
@@ -607,7 +605,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       fresh = done_counter(p, t);
       has_fresh = true;
       fresh_g1 = g1;
-      fresh_sys = push;
+      fresh_sys = push && p.push.sys_release;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }
