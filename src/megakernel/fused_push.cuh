@@ -39,21 +39,18 @@ struct EpiloguePush {
   bool sys_release = false;  // MOK_FORWARD_PUSH_SYS_RELEASE=1 (developer knob, see above)
 };
 
-// The slot base address of each of a warp's 16 tile rows (lane r < 16 holds row r's; nullptr:
+// The slot base address of each of a warp's 16 tile rows (lane l holds row l % 16's; nullptr:
 // padding, or a row the epilogue kernel reads in place). A warp's rows in the warpgroup's 64:
-// [16 * warp, 16 * warp + 16), the rows its lanes wrote into the staging buffer.
-__device__ inline char* push_row_dst(const EpiloguePush& p, const gemm::RowTile& t, const gemm::EpiCtx& ctx) {
-  const int lane = ctx.tid % 32;
-  const int r = 16 * (ctx.tid / 32) + (lane & 15);
-  char* dst = nullptr;
-  if (lane < 16 && 64 * ctx.wg + r < t.real_rows) {
-    const comm::RowEntry e = p.rows[t.row0 + 64 * ctx.wg + r];
-    if (e.src_rank >= 0 && (p.own_rows || e.src_rank != p.peers.rank)) {
-      const int64_t slot = static_cast<int64_t>(e.token) * p.topk + e.k;
-      dst = p.peers.base[e.src_rank] + p.slots_offset + slot * p.row_bytes;
-    }
-  }
-  return dst;
+// [16 * warp, 16 * warp + 16), the rows its lanes wrote into the staging buffer. Called before
+// the tile's K loop, so that the entry's load latency hides behind it; branch-free (every lane
+// loads, a select picks), since lane-divergent code before the K loop can make ptxas serialise
+// the wgmma (C7518). Every row of a tile has an entry (padding rows: src_rank -1).
+__device__ inline const char* push_row_dst(const EpiloguePush& p, const gemm::RowTile& t, const gemm::EpiCtx& ctx) {
+  const int r = 16 * (ctx.tid / 32) + (ctx.tid & 15);
+  const comm::RowEntry e = p.rows[t.row0 + 64 * ctx.wg + r];
+  const bool push = 64 * ctx.wg + r < t.real_rows && e.src_rank >= 0 && (p.own_rows || e.src_rank != p.peers.rank);
+  const int64_t slot = static_cast<int64_t>(e.token) * p.topk + e.k;
+  return push ? p.peers.base[max(e.src_rank, 0)] + p.slots_offset + slot * p.row_bytes : nullptr;
 }
 
 // store_round's `after`: copies the warp's 16 rows x 128 columns [col0, col0 + 128) of the
@@ -88,11 +85,10 @@ struct PushStaged {
 };
 
 // GEMM 2's epilogue (gemm::store_bf16_256: the same packing, the same two TMA store rounds) with
-// the push after each round's staging.
+// the push after each round's staging. `dst`: push_row_dst of this thread.
 template <class Acc>
-__device__ inline void gemm2_epilogue_push(const gemm::Gemm2Params& p2, const EpiloguePush& push,
-                                           const gemm::RowTile& t, const gemm::EpiCtx& ctx, Acc& acc) {
-  const char* dst = push_row_dst(push, t, ctx);
+__device__ inline void gemm2_epilogue_push(const gemm::Gemm2Params& p2, const gemm::RowTile& t,
+                                           const gemm::EpiCtx& ctx, const char* dst, Acc& acc) {
   const int warp = ctx.tid / 32;
   const int col0 = 256 * t.n_tile;
   gemm::pack_rows_bf16(ctx, acc, t.real_rows);

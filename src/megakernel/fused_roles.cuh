@@ -573,6 +573,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       st.advance();
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
+    const bool push = p.push.on && t.kind == TaskKind::kGemm2;
+    const char* push_dst = push ? push_row_dst(p.push, tile, ctx) : nullptr;  // loaded before the K loop
     // After this task's first batch (or once, without K steps): publish `pending` (its stores
     // are older than the last epilogue's groups), `fresh` moves up.
     const int publish_at = gemm::hook_slot(0, k_steps);
@@ -592,11 +594,10 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       break;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
-    const bool push = p.push.on && t.kind == TaskKind::kGemm2;
     if (g1) {
       G1Kind::epilogue(p1, tile, ctx, acc);
     } else if (push) {
-      gemm2_epilogue_push(p2, p.push, tile, ctx, acc);
+      gemm2_epilogue_push(p2, tile, ctx, push_dst, acc);
     } else {
       G2Kind::epilogue(p2, tile, ctx, acc);
     }
