@@ -17,7 +17,7 @@
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
-//                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1]
+//                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -35,8 +35,10 @@
 // the tasks round-robin (0) or through the counter (1) (fwd_task_counter_ms). --push 1: the same
 // with GEMM 2's epilogues pushing the combine's rows (FusedForwardOptions::epilogue_push = 1, the
 // comm CTAs joining automatically; fwd_push_ms); --push-all 1: the same with the own rows pushed
-// into the slots too (own_rows_in_place off: at EP 1 every row goes through the push;
-// fwd_push_all_ms).
+// into the slots too (own_rows_in_place off: at EP 1 every row goes through the push, and
+// expert_out is not written; fwd_push_all_ms); --push-all-store 1: the same with the tiles
+// TMA-stored into expert_out as well (FusedForwardOptions::push_keeps_expert_out, the A/B of the
+// write the push replaces; fwd_push_all_store_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -76,7 +78,8 @@ struct Options {
   int iters = 10, warmup = 3, ep = 0;
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
-  bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false;
+  bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
+       push_all_store = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   bool counter_variant = false;  // --task-counter V given
@@ -116,6 +119,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--fused-sum") o.fused_sum = std::stoi(v) != 0;
     else if (k == "--push") o.push = std::stoi(v) != 0;
     else if (k == "--push-all") o.push_all = std::stoi(v) != 0;
+    else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
     else if (k == "--task-counter") {
       o.task_counter = std::stoi(v);
       o.counter_variant = true;
@@ -271,6 +275,7 @@ struct RankResult {
   std::map<int, double> fused_counter_ms;  // no comm CTA joining, tasks round-robin or by counter (--task-counter V)
   std::map<int, double> fused_push_ms;      // GEMM 2's epilogues pushing the combine's rows (--push 1)
   std::map<int, double> fused_push_all_ms;  // the same, own rows pushed too (--push-all 1)
+  std::map<int, double> fused_push_all_store_ms;  // the same, expert_out stored too (--push-all-store 1)
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
@@ -337,6 +342,13 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.own_rows_in_place = false;
        },
        "-push-all"},
+      {o.push_all_store, &res.fused_push_all_store_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) {
+         fo.epilogue_push = 1;
+         fo.own_rows_in_place = false;
+         fo.push_keeps_expert_out = true;
+       },
+       "-push-all-store"},
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
@@ -513,10 +525,12 @@ int main(int argc, char** argv) {
     const double best_counter = variant(o.counter_variant, "task_counter", &RankResult::fused_counter_ms);
     const double best_push = variant(o.push, "push", &RankResult::fused_push_ms);
     const double best_push_all = variant(o.push_all, "push_all", &RankResult::fused_push_all_ms);
+    const double best_push_all_store =
+        variant(o.push_all_store, "push_all_store", &RankResult::fused_push_all_store_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all)
+        o.push || o.push_all || o.push_all_store)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
@@ -545,6 +559,10 @@ int main(int argc, char** argv) {
     if (o.push_all) {
       std::printf("%-7s GEMM 2's epilogues pushing every row (own rows too): best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), best_push_all, ps ? "yes" : "NO");
+    }
+    if (o.push_all_store) {
+      std::printf("%-7s the same, tiles stored into expert_out too: best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), best_push_all_store, ps ? "yes" : "NO");
     }
     if (o.tiles) {
       std::printf("%-7s in-place combine by row tiles per CTA: best %.3f ms\n", o.shapes[i].c_str(), best_tiles);

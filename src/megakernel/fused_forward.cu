@@ -334,6 +334,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     e.row_bytes = c.row_bytes;
     e.topk = static_cast<int>(s.topk);
     e.own_rows = !o.own_rows_in_place;
+    e.store_out = o.own_rows_in_place || o.push_keeps_expert_out;
     e.sys_release = gemm::host::env_is("MOK_FORWARD_PUSH_SYS_RELEASE", "1");
   }
   if (o.fused_topk_sum) {

@@ -69,11 +69,18 @@ struct FusedForwardOptions {
   // the staging buffer into their slots, so the comm CTAs have no combine and (join_gemm
   // automatic) all but one take GEMM tasks after their dispatch share at EP >= 2. Same bits.
   // -1 (default): automatic (off until measured at EP >= 2); 0 off; 1 on. Not with fused_topk_sum.
+  // With own_rows_in_place off every row is pushed and expert_out is not written: the slots
+  // hold every (t, k) row of the saved context (as after the all-slots combine).
   int epilogue_push = -1;
+  // Measurement only: with every row pushed, TMA-store the tiles into expert_out as well (the
+  // A/B of the write the push replaces; bench_forward --push-all-store).
+  bool push_keeps_expert_out = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the
-// saved context (g, u, shared g, u, combine slots) stays in the buffers as in staged_forward.
+// saved context (g, u, shared g, u, combine slots) stays in the buffers as in staged_forward
+// (with the epilogue push of every row, the slots hold the own rank's (t, k) rows too and
+// expert_out is not written).
 // Throws mok::Error for a grid that cannot be co-resident (grid > SMs, or no GEMM CTA left).
 void fused_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
                    const ExpertWeights& weights, const FusedForwardOptions& options, cudaStream_t stream);

@@ -36,6 +36,12 @@ struct EpiloguePush {
   int64_t row_bytes = 0;                 // H * 2
   int topk = 1;
   bool own_rows = false;  // also the own rank's rows (own_rows_in_place off)
+  // TMA-store the tile into expert_out too. Off when every row is pushed (own_rows): the slots
+  // then hold every (t, k) row (the saved context, as after the all-slots combine) and nothing
+  // reads expert_out, so the tile is written once instead of twice (measured at EP 1: the
+  // second write cost 4-5 %, docs/megakernel.md). On with own_rows only for the A/B
+  // (FusedForwardOptions::push_keeps_expert_out).
+  bool store_out = true;
   bool sys_release = false;  // MOK_FORWARD_PUSH_SYS_RELEASE=1 (developer knob, see above)
 };
 
@@ -84,19 +90,22 @@ struct PushStaged {
   }
 };
 
-// GEMM 2's epilogue (gemm::store_bf16_256: the same packing, the same two TMA store rounds) with
-// the push after each round's staging. `dst`: push_row_dst of this thread.
+// GEMM 2's epilogue (gemm::store_bf16_256: the same packing, the same two store rounds) with
+// the push after each round's staging. `dst`: push_row_dst of this thread. Without store_out
+// the rounds issue no TMA store (a zero-column box; their bulk groups stay, empty, so the
+// consumers' group accounting is unchanged).
 template <class Acc>
 __device__ inline void gemm2_epilogue_push(const gemm::Gemm2Params& p2, const gemm::RowTile& t,
-                                           const gemm::EpiCtx& ctx, const char* dst, Acc& acc) {
+                                           const gemm::EpiCtx& ctx, const char* dst, bool store_out, Acc& acc) {
   const int warp = ctx.tid / 32;
   const int col0 = 256 * t.n_tile;
+  const int store_cols = store_out ? p2.hidden : 0;
   gemm::pack_rows_bf16(ctx, acc, t.real_rows);
   const int row0 = t.row0 + 64 * ctx.wg;
   gemm::store_round<0, 0>(ctx, [&](int i) { return __float_as_uint(acc(i)); },
-                          gemm::Box2dStore{&p2.out, col0, p2.hidden, row0}, PushStaged{dst, warp, col0, p2.hidden});
+                          gemm::Box2dStore{&p2.out, col0, store_cols, row0}, PushStaged{dst, warp, col0, p2.hidden});
   gemm::store_round<16, 1>(ctx, [&](int i) { return __float_as_uint(acc(i)); },
-                           gemm::Box2dStore{&p2.out, col0 + 128, p2.hidden, row0},
+                           gemm::Box2dStore{&p2.out, col0 + 128, store_cols, row0},
                            PushStaged{dst, warp, col0 + 128, p2.hidden});
   // NOTE: orders every warp's pushes of the tile before thread 0, which may publish the tile
   // (system-scope release) before the warpgroup meets at another barrier (publish_all).

@@ -597,7 +597,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     if (g1) {
       G1Kind::epilogue(p1, tile, ctx, acc);
     } else if (push) {
-      gemm2_epilogue_push(p2, tile, ctx, push_dst, acc);
+      gemm2_epilogue_push(p2, tile, ctx, push_dst, p.push.store_out, acc);
     } else {
       G2Kind::epilogue(p2, tile, ctx, acc);
     }

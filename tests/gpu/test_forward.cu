@@ -281,6 +281,7 @@ INSTANTIATE_TEST_SUITE_P(Ep, ForwardEpInvariance, ::testing::Values(2, 4, 8));
 // ---- fused == staged, bit for bit, in y and in the saved forward context ------------------------
 struct PassBits {
   std::vector<uint16_t> y, g, u, shared_g, shared_u;  // g, u: the schedule's padded rows only
+  std::vector<uint16_t> slots;  // [T * K, H]: every (t, k) row, when no row is read in place (kPlain, kPushAll)
 };
 
 // Copy modes of the forward (all give the same bits):
@@ -295,7 +296,8 @@ struct PassBits {
 //   kRoundRobin  fused only: tasks round-robin over the GEMM CTAs (FusedForwardOptions::task_counter = 0)
 //   kPush        fused only: GEMM 2's epilogues push the combine's rows (FusedForwardOptions::epilogue_push)
 //   kPushAll     fused only: the same with the own rows pushed too (own rows not read in place): at EP 1
-//                every row goes through the push
+//                every row goes through the push, and expert_out is not written (the slots are the
+//                saved context)
 enum class CopyModes {
   kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll
 };
@@ -322,6 +324,11 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
     }
     MOK_CUDA_CHECK(cudaMemset(d.y.get(), 0xFF, d.y.bytes()));
+    const bool all_slots = !ws->impl().combine_in_place;
+    const size_t slot_elems = size_t(s.tokens) * s.topk * s.hidden;
+    // NOTE: peers write into these slots only after this rank's kernel (after the memset, same
+    // stream) opened the pass's first barrier.
+    if (all_slots) MOK_CUDA_CHECK(cudaMemset(const_cast<bf16*>(ws->impl().state->slots()), 0xFF, slot_elems * 2));
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
     schedule(*ws, d.idx.get(), nullptr);
     forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
@@ -339,6 +346,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     o.u = get(fb.u.get(), size_t(h.padded_rows) * s.intermediate);
     o.shared_g = get(fb.shared_g.get(), size_t(s.tokens) * s.shared_intermediate);
     o.shared_u = get(fb.shared_u.get(), size_t(s.tokens) * s.shared_intermediate);
+    if (all_slots) o.slots = get(ws->impl().state->slots(), slot_elems);
   });
   return out;
 }
@@ -370,6 +378,11 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
     EXPECT_TRUE(same_bits(fused_push_all[r].y, fused[r].y))
         << c.name << " rank " << r << ": y, GEMM 2 epilogue push of every row";
     EXPECT_TRUE(same_bits(fused_push_all[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, push";
+    // The saved (t, k) rows: pushed by GEMM 2's epilogues (expert_out not written) == moved by
+    // the comm CTAs' all-slots combine (both slot arrays poisoned before the pass).
+    EXPECT_FALSE(fused_push_all[r].slots.empty());
+    EXPECT_TRUE(same_bits(fused_push_all[r].slots, fused_plain[r].slots))
+        << c.name << " rank " << r << ": slots, push of every row vs the all-slots combine";
     EXPECT_TRUE(same_bits(fused_round_robin[r].y, fused[r].y)) << c.name << " rank " << r << ": y, tasks round-robin";
     EXPECT_TRUE(same_bits(fused_no_join[r].y, fused[r].y)) << c.name << " rank " << r << ": y, no comm CTA joining";
     EXPECT_TRUE(same_bits(fused_join_most[r].y, fused[r].y)) << c.name << " rank " << r << ": y, all but one joining";
