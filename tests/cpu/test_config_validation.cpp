@@ -134,6 +134,17 @@ TEST(ConfigValidation, AutomaticCommSmsFollowBytesPerFlop) {
   EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 12);
 }
 
+// EP 1 (every comm CTA joins the GEMM work after its dispatch share): one CTA per 48 MB of routed
+// rows, 6 to 16, the best points of the EP 1 sweeps (docs/perf-log.md, forward-v64, v67, v68).
+TEST(ConfigValidation, AutomaticCommSmsAtEp1FollowTheDispatchBytes) {
+  mok::Config c;
+  EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(1)), 16);    // 940 MB of rows
+  EXPECT_EQ(c.effective_comm_sms_forward(mok::qwen3_shape(1)), 12);   // 537 MB
+  EXPECT_EQ(c.effective_comm_sms_forward(mok::gptoss_shape(1)), 6);   // 189 MB
+  c.comm_sms_forward = 9;
+  EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(1)), 9);
+}
+
 TEST(ConfigValidation, CapacitySizesBuffers) {
   const auto s = good_shape();  // T*K = 2048 per rank, E_local = 8
   mok::Config c;
