@@ -12,8 +12,8 @@ struct Config {
   // SMs of the persistent grid that run communication roles (dispatch/combine).
   // comm_sms_forward 0 = automatic (effective_comm_sms_forward): at EP >= 2 enough CTAs to move
   // the pass's token rows in about the time its GEMMs take on the other SMs; at EP 1 (no
-  // combine; the comm CTAs join the GEMM work after their dispatch share) one per 48 MB of
-  // routed rows, 6 to 16. Any count gives the same bits.
+  // combine; the comm CTAs join the GEMM work after their dispatch share) at least one per
+  // 60 MB of routed rows, up to 16. Any count gives the same bits.
   int comm_sms_forward = 0;
   int comm_sms_backward = 16;
   // Routed rows per overlap step (GEMMs on a minibatch start once its rows arrived).

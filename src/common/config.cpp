@@ -76,28 +76,28 @@ int64_t Config::effective_minibatch(const LayerShape& shape) const {
 
 int Config::effective_comm_sms_forward(const LayerShape& shape) const {
   if (comm_sms_forward > 0) return comm_sms_forward;
-  // EP >= 2: dispatch and combine each handle every routed row (T*K rows of H bf16); with the dedup
+  // Dispatch and combine each handle every routed row (T*K rows of H bf16); with the dedup
   // fan-out dispatch and the in-place combine one comm CTA gets through about 33 GB/s of those
   // rows, the GEMM SMs deliver about 600 TFLOP/s (H200, docs/perf-log.md). Pick the CTAs that
   // finish the rows in the GEMMs' time, at least 6: this lands on the best points of the
   // 2026-11-30 sweeps after the fan-out (forward-v6..v8: dsv3 4-8, qwen3 16, gptoss 6-8).
   // Any count gives the same bits (D2).
   const double rows = static_cast<double>(shape.tokens) * shape.topk;
-  if (shape.ep == 1) {
-    // EP 1: no combine (the epilogue reads the rows in place) and every comm CTA takes GEMM
-    // tasks once its dispatch share (a local copy of the T*K rows) is done, so a larger count
-    // costs little and brings the rows sooner: one CTA per 48 MB of rows, 6 to 16. This lands on
-    // the best points of the EP 1 sweeps with joining (docs/perf-log.md, forward-v64, v67, v68:
-    // dsv3 best at 12-16 (6: +3-5 %), qwen3 at 12, gptoss at 6).
-    const double row_bytes = rows * static_cast<double>(shape.hidden) * 2.0;
-    return std::clamp(static_cast<int>(std::ceil(row_bytes / 48e6)), 6, 16);
-  }
   const double bytes = 2.0 * rows * static_cast<double>(shape.hidden) * 2.0;
   const double flops = 6.0 * static_cast<double>(shape.hidden) *
                        (static_cast<double>(shape.intermediate) * rows +
                         static_cast<double>(shape.shared_intermediate) * static_cast<double>(shape.tokens));
   const double gemm_s = flops / 600e12, cta_bytes_per_s = 33e9;
-  const int ctas = static_cast<int>(std::ceil(bytes / (gemm_s * cta_bytes_per_s)));
+  int ctas = static_cast<int>(std::ceil(bytes / (gemm_s * cta_bytes_per_s)));
+  if (shape.ep == 1) {
+    // EP 1: no combine, and every comm CTA takes GEMM tasks once its dispatch share (a local
+    // copy of the T*K rows) is done, so more CTAs cost little and bring the rows sooner: at
+    // least one per 60 MB of rows, up to 16. Moves dsv3 from 6 to 16 (3-6 % faster in four EP 1
+    // runs: docs/perf-log.md, forward-v64, v69); qwen3 (16) and gptoss (6) keep their counts,
+    // whose neighbours measured within run-to-run noise.
+    const double row_bytes = rows * static_cast<double>(shape.hidden) * 2.0;
+    ctas = std::max(ctas, std::min(16, static_cast<int>(std::ceil(row_bytes / 60e6))));
+  }
   return std::clamp(ctas, 6, 32);
 }
 
