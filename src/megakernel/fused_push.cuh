@@ -108,7 +108,7 @@ __device__ inline void gemm2_epilogue_push(const gemm::Gemm2Params& p2, const ge
                            gemm::Box2dStore{&p2.out, col0 + 128, store_cols, row0},
                            PushStaged{dst, warp, col0 + 128, p2.hidden});
   // NOTE: orders every warp's pushes of the tile before thread 0, which may publish the tile
-  // (system-scope release) before the warpgroup meets at another barrier (publish_all).
+  // (its release on g2_done) before the warpgroup meets at another barrier (publish_all).
   gemm::named_barrier_sync(ctx.barrier_id(), gemm::kWarpGroupThreads);
 }
 
