@@ -100,6 +100,16 @@ def report(path, t, bins):
     print(f"all  working {busy / tot:.3f} of GEMM CTA-time, waiting for inputs {wait / tot:.3f}, "
           f"before the first tile {idle_start / tot:.3f}, after the last tile {idle_end / tot:.3f}, "
           f"between tiles {(tot - busy - wait - idle_end - idle_start) / tot:.3f}")
+    # Consumer gaps between one task's epilogue-end stamp and the next task's begin stamp (the
+    # two stamps are adjacent in the consumer's loop): their distribution, and the CTA-time
+    # before each CTA's first tile begins after its feeder's first stamp.
+    both = valid[:, :-1] & valid[:, 1:]
+    gaps = (gemm[:, 1:, 2] - gemm[:, :-1, 4])[both] / 1e3
+    if gaps.size:
+        q = np.quantile(gaps, [0.5, 0.9, 0.99])
+        print(f"gaps between tiles (us): median {q[0]:.2f}, 90 % {q[1]:.2f}, 99 % {q[2]:.2f}, max {gaps.max():.1f}; "
+              f"sum {gaps.sum() / 1e3 / tot:.3f} of GEMM CTA-time; first tile after the feeder's first stamp "
+              f"{np.mean([(gemm[c, 0, 2] - gemm[c, 0, 0]) / 1e3 for c in range(ng) if valid[c, 0]]):.1f} us (mean)")
     # Minibatch readiness: earliest end of a G1(m) input wait that actually waited.
     g1 = valid & (kind == 2)
     if g1.any():
