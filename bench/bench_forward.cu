@@ -18,6 +18,7 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
+//                 [--macrobatch ROWS]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -38,7 +39,10 @@
 // into the slots too (own_rows_in_place off: at EP 1 every row goes through the push, and
 // expert_out is not written; fwd_push_all_ms); --push-all-store 1: the same with the tiles
 // TMA-stored into expert_out as well (FusedForwardOptions::push_keeps_expert_out, the A/B of the
-// write the push replaces; fwd_push_all_store_ms).
+// write the push replaces; fwd_push_all_store_ms). --macrobatch ROWS: the same layer on a second
+// workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
+// fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
+// bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -51,6 +55,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -86,6 +91,7 @@ struct Options {
   int task_counter = -1;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
+  int64_t macrobatch = 0;     // --macrobatch ROWS: also time a workspace with Config::macrobatch = ROWS
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
   std::string trace;  // --trace PREFIX: after each comm count's timing, one more pass of the default and of each
@@ -111,6 +117,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--warmup") o.warmup = std::stoi(v);
     else if (k == "--warm-ms") o.warm_ms = std::stod(v);
     else if (k == "--minibatch") o.minibatch = std::stoll(v);
+    else if (k == "--macrobatch") o.macrobatch = std::stoll(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
@@ -276,6 +283,8 @@ struct RankResult {
   std::map<int, double> fused_push_ms;      // GEMM 2's epilogues pushing the combine's rows (--push 1)
   std::map<int, double> fused_push_all_ms;  // the same, own rows pushed too (--push-all 1)
   std::map<int, double> fused_push_all_store_ms;  // the same, expert_out stored too (--push-all-store 1)
+  std::map<int, double> fused_macrobatch_ms;  // a workspace with the macrobatch ring (--macrobatch ROWS)
+  double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
@@ -298,6 +307,20 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   const ExpertWeights w = L.weights();
   const ForwardArgs args = L.args();
   comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
+  // --macrobatch: the same layer on a workspace whose routed buffers are the ring (collective).
+  std::unique_ptr<Workspace> ring_ws;
+  auto routed_mb = [&](Workspace& W) {
+    const megakernel::ForwardBuffers& b = *W.impl().forward;
+    return (W.impl().state->row_buffer_rows() * s.hidden * 2.0 + b.h.bytes() + b.g.bytes() + b.u.bytes() +
+            b.expert_out.bytes()) / 1e6;
+  };
+  res.routed_buffer_mb = routed_mb(*ws);
+  if (o.macrobatch > 0) {
+    Config rc = cfg;
+    rc.macrobatch = o.macrobatch;
+    ring_ws = Workspace::create(s, rc, lr.comm, lr.device);
+    res.macrobatch_buffer_mb = routed_mb(*ring_ws);
+  }
 
   // Fused, sweeping the communication CTAs. At each comm count the default and the variants on
   // (--plain, --tiles, --token-major, --help-rows, --fused-sum, --join) are timed with their runs
@@ -310,6 +333,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     std::map<int, double>* ms;
     Configure configure;
     const char* tag;  // trace file name part ("" for the default)
+    bool ring = false;  // runs on ring_ws (--macrobatch)
   };
   const Mode modes[] = {
       {true, &res.fused_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, ""},
@@ -349,6 +373,16 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.push_keeps_expert_out = true;
        },
        "-push-all-store"},
+      {o.macrobatch > 0, &res.fused_macrobatch_ms, [](megakernel::FusedForwardOptions&, const Options&) {},
+       "-macrobatch", true},
+  };
+  // The workspace a mode runs on, and one pass of it.
+  auto ws_of = [&](const Mode* m) -> Workspace& { return m->ring ? *ring_ws : *ws; };
+  auto pass = [&](const Mode* m, const megakernel::FusedForwardOptions& fo) {
+    Workspace& W = ws_of(m);
+    schedule(W, L.topk_idx.get(), st);
+    megakernel::fused_forward(*W.impl().state, *W.impl().forward, args, w, fo, st);
+    W.impl().last_stream = st;
   };
   auto options_for = [&](int c, Configure configure) {
     megakernel::FusedForwardOptions fo;
@@ -377,28 +411,23 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
       fos.push_back(options_for(c, m.configure));
     }
     const std::vector<double> ms =
-        time_interleaved_ms(o, sync, st, static_cast<int>(on.size()), [&](int j) {
-          schedule(*ws, L.topk_idx.get(), st);
-          megakernel::fused_forward(state, buf, args, w, fos[j], st);
-        });
-    impl.last_stream = st;
+        time_interleaved_ms(o, sync, st, static_cast<int>(on.size()), [&](int j) { pass(on[j], fos[j]); });
     ws->check();
+    if (ring_ws) ring_ws->check();
     for (size_t j = 0; j < on.size(); ++j) (*on[j]->ms)[c] = ms[j];
     for (size_t j = 1; j < on.size(); ++j) {  // each variant's y against the default's
       MOK_CUDA_CHECK(cudaStreamSynchronize(st));
       sync.arrive_and_wait();
-      schedule(*ws, L.topk_idx.get(), st);
-      megakernel::fused_forward(state, buf, args, w, fos[j], st);
-      ws->check();
+      pass(on[j], fos[j]);
+      ws_of(on[j]).check();
       res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
     }
     // One more pass of the default and of each variant, right after the timed ones (steady state).
     for (size_t j = 0; j < on.size() && !o.trace.empty(); ++j) {
       MOK_CUDA_CHECK(cudaStreamSynchronize(st));
       sync.arrive_and_wait();
-      schedule(*ws, L.topk_idx.get(), st);
-      megakernel::fused_forward(state, buf, args, w, fos[j], st);
-      ws->check();
+      pass(on[j], fos[j]);
+      ws_of(on[j]).check();
       megakernel::forward_trace_dump(o.trace + "-" + name + on[j]->tag + "-c" + std::to_string(c) + "-r" +
                                      std::to_string(lr.rank) + ".bin");
     }
@@ -527,11 +556,20 @@ int main(int argc, char** argv) {
     const double best_push_all = variant(o.push_all, "push_all", &RankResult::fused_push_all_ms);
     const double best_push_all_store =
         variant(o.push_all_store, "push_all_store", &RankResult::fused_push_all_store_ms);
+    const double best_macrobatch = variant(o.macrobatch > 0, "macrobatch", &RankResult::fused_macrobatch_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all || o.push_all_store)
+        o.push || o.push_all || o.push_all_store || o.macrobatch > 0)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
+    if (o.macrobatch > 0) {
+      sweep << ", \"macrobatch\": " << o.macrobatch << ", \"macrobatch_buffer_mb\": "
+            << fmt(res[i][0].macrobatch_buffer_mb);
+      std::printf("%-7s macrobatch ring of %lld rows: best %.3f ms, routed buffers %.0f -> %.0f MB, same bits: %s\n",
+                  o.shapes[i].c_str(), static_cast<long long>(o.macrobatch), best_macrobatch,
+                  res[i][0].routed_buffer_mb, res[i][0].macrobatch_buffer_mb, ps ? "yes" : "NO");
+    }
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
                   best_fused_sum, ps ? "yes" : "NO");

@@ -19,8 +19,13 @@ struct Config {
   // Routed rows per overlap step (GEMMs on a minibatch start once its rows arrived).
   // 0 = automatic (chosen from the shape). Otherwise a positive multiple of kRowTile.
   int64_t minibatch = 0;
-  // Routed rows kept resident for backward (ring). 0 = all rows; otherwise a positive
-  // multiple of the minibatch. When a pass has more routed rows, backward recomputes.
+  // Routed rows kept resident (rows of the expert-major buffer): 0 = all of them. Otherwise a
+  // positive multiple of the minibatch; below buffer_rows_per_rank it must hold at least two
+  // minibatches, and the fused forward then runs its routed rows through a ring of that many
+  // rows (dispatched rows, hidden rows, the saved g and u; docs/megakernel.md "Macrobatch"),
+  // so the workspace's routed buffers shrink to it; after the pass the ring holds the saved
+  // context of the last macrobatch of row tiles (backward recomputes the others). Speed and
+  // memory only: the same bits (D2).
   int64_t macrobatch = 0;
   // Worst-case share of all routed rows that may land on one rank, as a multiple of the
   // balanced share T*K. Sizes the receive buffers; exceeding it is a kCapacityOverflow
@@ -41,6 +46,9 @@ struct Config {
   int64_t buffer_rows_per_rank(const LayerShape& shape) const;
   // The minibatch actually used (resolves 0 = automatic).
   int64_t effective_minibatch(const LayerShape& shape) const;
+  // Rows of the routed buffers the fused forward keeps: macrobatch when it is set and below
+  // buffer_rows_per_rank (a ring), else buffer_rows_per_rank (every row).
+  int64_t resident_routed_rows(const LayerShape& shape) const;
   // The communication CTAs of the forward actually used (resolves 0 = automatic).
   int effective_comm_sms_forward(const LayerShape& shape) const;
 };

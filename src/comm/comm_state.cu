@@ -1,17 +1,25 @@
 #include "comm/comm_state.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "comm/cuda_check.hpp"
 #include "comm/roles.hpp"
 
 namespace mok::comm {
 
-CommState::CommState(const LayerShape& shape, const Config& config, ncclComm_t comm)
+CommState::CommState(const LayerShape& shape, const Config& config, ncclComm_t comm, int64_t row_buffer_rows)
     : shape_(shape), config_(config), comm_(comm), layout_(SymmetricLayout::make(shape)) {
   window_ = std::make_unique<SymmetricWindow>(comm, layout_.total);
   schedule_ = std::make_unique<ScheduleBuffers>(shape, config);
-  row_buffer_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(schedule_->buffer_rows) * shape.hidden);
+  row_buffer_rows_ = row_buffer_rows > 0 ? std::min(row_buffer_rows, schedule_->buffer_rows) : schedule_->buffer_rows;
+  if (row_buffer_rows_ % schedule_->minibatch != 0) {
+    throw_invalid("CommState row_buffer_rows", "a multiple of the minibatch (" + std::to_string(schedule_->minibatch) +
+                                                   " rows) or the whole buffer",
+                  std::to_string(row_buffer_rows));
+  }
+  row_buffer_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(row_buffer_rows_) * shape.hidden);
   counters_ = DeviceBuffer<uint32_t>(schedule_->max_minibatches + schedule_->buffer_rows / kRowTile);
   syncs_ = DeviceBuffer<GroupSync>(static_cast<size_t>(SyncSite::kCount));
   error_ = DeviceBuffer<DeviceErrorRecord>(1);
@@ -106,6 +114,13 @@ CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_ro
 }
 
 DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, bool token_major) {
+  if (row_buffer_is_ring() && !token_major) {
+    throw_invalid("Config.macrobatch",
+                  "0 or at least the routed buffer (" + std::to_string(schedule_->buffer_rows) +
+                      " rows) for the standalone dispatch (staged forward, comm benchmarks): it writes every routed "
+                      "row, and this workspace's row buffer is a ring of " + std::to_string(row_buffer_rows_) + " rows",
+                  std::to_string(config_.macrobatch));
+  }
   DispatchLaunch l;
   l.role = dispatch_role(dedup, token_major);
   l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};

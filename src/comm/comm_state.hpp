@@ -29,8 +29,11 @@ enum class SyncSite : int { kExchange = 0, kDispatchStart = 1, kCombineDone = 2,
 
 class CommState {
  public:
-  // Collective. The current CUDA device must be the communicator's device.
-  CommState(const LayerShape& shape, const Config& config, ncclComm_t comm);
+  // Collective. The current CUDA device must be the communicator's device. `row_buffer_rows`:
+  // rows of the expert-major row buffer, 0 = every row of the schedule's buffer; fewer (a
+  // multiple of the minibatch, Config::resident_routed_rows) make it the fused forward's
+  // macrobatch ring, which the standalone dispatch refuses.
+  CommState(const LayerShape& shape, const Config& config, ncclComm_t comm, int64_t row_buffer_rows = 0);
   ~CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
@@ -83,6 +86,9 @@ class CommState {
   // [T] rows pushed into each own token's slots (SymmetricLayout::arrivals; CombineRole::count_arrivals).
   uint32_t* arrivals() const { return reinterpret_cast<uint32_t*>(window_->local() + layout_.arrivals); }
   __nv_bfloat16* row_buffer() const { return row_buffer_.get(); }
+  // Rows of row_buffer(): the schedule's buffer_rows, or fewer for the macrobatch ring.
+  int64_t row_buffer_rows() const { return row_buffer_rows_; }
+  bool row_buffer_is_ring() const { return row_buffer_rows_ < schedule_->buffer_rows; }
   // [ep * T, H] token-major receive buffer; allocated on first use (token-major dispatch only).
   __nv_bfloat16* recv_buffer();
   uint32_t* ready_counters() const { return counters_.get(); }  // [max_minibatches]
@@ -105,6 +111,7 @@ class CommState {
   DeviceBuffer<uint32_t> counters_;
   DeviceBuffer<GroupSync> syncs_;
   DeviceBuffer<DeviceErrorRecord> error_;
+  int64_t row_buffer_rows_ = 0;
   uint64_t epoch_ = 0;
   int parity_ = 0;
 };

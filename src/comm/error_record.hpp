@@ -22,6 +22,7 @@ enum class WaitSite : int32_t {
   kHiddenRowTile = 7,  // a GEMM 2 task waiting for every GEMM 1 column tile of its row tile
   kBulkCopy = 8,       // a TMA bulk-copy stage of the opt-in bulk engines (roles_bulk.cuh)
   kTokenArrivals = 9,  // the fused top-k sum waiting for the rows pushed into a token's slots
+  kRingSlot = 10,      // macrobatch ring: a row tile waiting for the tile that last used its slot
 };
 const char* wait_site_name(WaitSite site);
 

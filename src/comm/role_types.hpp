@@ -89,6 +89,13 @@ struct DispatchRole {
   const int32_t* land_rows = nullptr;
   const int32_t* land_count = nullptr;
   int64_t minibatch_rows = 0;  // rows per minibatch (ScheduleView::minibatch)
+  // Macrobatch ring (the fused forward, Config::macrobatch; plain kWarp pull only): row tile t
+  // is written to slot t % ring_tiles of row_buffer, after ring_free[t - ring_tiles] (GEMM 1's
+  // completion counter of the tile that used the slot last) reached ring_free_target.
+  // 0: every row tile has its own rows.
+  int64_t ring_tiles = 0;
+  const uint32_t* ring_free = nullptr;
+  uint32_t ring_free_target = 0;
 };
 
 // Row `token` of rank `src` in the token-major receive buffer.

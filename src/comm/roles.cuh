@@ -254,6 +254,7 @@ template <class Shape>
 __device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const WarpRows& mine, int lane) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
   const int64_t vecs = r.row_bytes / 16;
+  if (r.ring_tiles > 0) tile %= r.ring_tiles;  // the macrobatch ring's slot (the rows' source stays `mine`)
   if constexpr (R == 1) {
     for (int j = 0; j < Shape::kRowsPerWarp; ++j) {
       if (j >= mine.count) break;  // warp-uniform
@@ -309,6 +310,15 @@ __device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
     const WarpRows mine = warp_tile_rows<Shape, kAll>(r.rows, tile, g.set, r.peers.rank, warp, lane);
+    if (r.ring_tiles > 0 && tile >= r.ring_tiles) {
+      // The slot's previous tile must be read by every GEMM 1 column block first (its TMA
+      // loads completed before the counter's release). A timeout is recorded; the copy then
+      // goes ahead (y is poisoned after the kernel) so that the kernel still ends.
+      if (threadIdx.x == 0) {
+        wait_geq<Scope::kGpu>(r.ring_free + (tile - r.ring_tiles), r.ring_free_target, WaitSite::kRingSlot, r.wait);
+      }
+      __syncthreads();  // NOTE: every warp's stores of the slot after thread 0's acquire
+    }
     dispatch_rows<Shape>(r, tile, mine, lane);
     __syncthreads();
     if (threadIdx.x == 0) publish_dispatch_tile(r, tile, g.split);

@@ -43,6 +43,14 @@ void Config::validate(const LayerShape& shape) const {
                   "0 (keep every routed row) or a positive multiple of the minibatch (" + std::to_string(mb) + " rows)",
                   std::to_string(macrobatch));
   }
+  // A ring of one minibatch would make GEMM 1 of minibatch m wait for GEMM 2 of m - 1, which
+  // the task list hands out after it (task_list.cuh): the kernel could deadlock.
+  if (macrobatch > 0 && macrobatch < buffer_rows_per_rank(shape) && macrobatch < 2 * mb) {
+    throw_invalid("Config.macrobatch",
+                  "0 (keep every routed row), at least two minibatches (" + std::to_string(2 * mb) +
+                      " rows) or at least the routed buffer (" + std::to_string(buffer_rows_per_rank(shape)) + " rows)",
+                  std::to_string(macrobatch));
+  }
   if (!std::isfinite(capacity) || capacity < 1.0) {
     std::ostringstream got;
     got << capacity;
@@ -72,6 +80,11 @@ int64_t Config::effective_minibatch(const LayerShape& shape) const {
   // About eight overlap steps per pass, between one and 32 row tiles each.
   const int64_t rows = round_up(std::max<int64_t>(shape.tokens * shape.topk / 8, 1), kRowTile);
   return std::clamp<int64_t>(rows, kRowTile, 32 * kRowTile);
+}
+
+int64_t Config::resident_routed_rows(const LayerShape& shape) const {
+  const int64_t all = buffer_rows_per_rank(shape);
+  return macrobatch > 0 && macrobatch < all ? macrobatch : all;
 }
 
 int Config::effective_comm_sms_forward(const LayerShape& shape) const {

@@ -55,9 +55,13 @@ std::unique_ptr<Workspace> Workspace::create(const LayerShape& shape, const Conf
   impl->config = config;
   impl->device = device;
   impl->comm = comm;
-  impl->state = std::make_unique<comm::CommState>(shape, config, comm);
-  impl->forward = std::make_unique<megakernel::ForwardBuffers>(shape, config, impl->state->view().buffer_rows);
   impl->forward_path = megakernel::forward_path_from_env();
+  // The macrobatch ring is the fused forward's; the staged path (a developer path) keeps every row.
+  const int64_t resident =
+      impl->forward_path == megakernel::ForwardPath::kFused ? config.resident_routed_rows(shape) : 0;
+  impl->state = std::make_unique<comm::CommState>(shape, config, comm, resident);
+  impl->forward =
+      std::make_unique<megakernel::ForwardBuffers>(shape, config, impl->state->view().buffer_rows, resident);
   return std::unique_ptr<Workspace>(new Workspace(std::move(impl)));
 }
 

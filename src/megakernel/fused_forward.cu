@@ -257,16 +257,45 @@ gemm::Gemm2Params gemm2_params_for(const bf16* h, const bf16* down, int64_t expe
   return p;
 }
 
+// The macrobatch ring (the workspace's routed buffers hold fewer rows than the schedule's
+// buffer, Config::macrobatch) fixes the copy modes that keep a row tile's bytes in its slot
+// only while the slot is its own: the plain pull (the fan-out stores a token's rows of later
+// minibatches with its first one), no help from the GEMM CTAs (they fan out), and GEMM 2's
+// epilogue pushing every row into its slot (the epilogue kernel reads no row in place, and
+// expert_out is not written). Options that cannot go with it are refused, naming them.
+FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuffers& b, FusedForwardOptions o) {
+  if (b.ring() != state.row_buffer_is_ring() ||
+      (b.ring() && b.resident_rows != state.row_buffer_rows())) {
+    throw_invalid("ForwardBuffers.resident_rows", "the rows of the comm state's row buffer (" +
+                                                      std::to_string(state.row_buffer_rows()) + ")",
+                  std::to_string(b.resident_rows));
+  }
+  if (!b.ring()) return o;
+  const std::string ring = "with the macrobatch ring (Config.macrobatch = " +
+                           std::to_string(state.config().macrobatch) + " rows)";
+  if (o.token_major) throw_invalid("FusedForwardOptions.token_major", "false " + ring, "true");
+  if (o.fused_topk_sum) throw_invalid("FusedForwardOptions.fused_topk_sum", "false " + ring, "true");
+  if (o.epilogue_push == 0) throw_invalid("FusedForwardOptions.epilogue_push", "-1 or 1 " + ring, "0");
+  o.dedup = false;
+  o.help_rows = 0;
+  o.own_rows_in_place = false;
+  o.epilogue_push = 1;
+  o.push_keeps_expert_out = false;
+  return o;
+}
+
 // join: resolve_join_gemm's count (resolved once per pass, before anything is enqueued).
 FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args,
                                const ExpertWeights& w, const FusedForwardOptions& o, int join) {
   const LayerShape& s = state.shape();
   const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate, E = s.local_experts();
-  const int64_t R = b.buffer_rows;
+  const int64_t R = b.buffer_rows, resident = b.resident_rows;
   const gemm::ErrorSink err{b.gemm_error.get(), static_cast<uint64_t>(o.timeout_s * 1e9)};
   FusedForwardParams p{};
-  p.routed1 = gemm1_params_for(state.row_buffer(), R, w.gate, w.up, E, b.h.get(), b.g.get(), b.u.get(), R, H, I, err);
-  p.routed2 = gemm2_params_for(b.h.get(), w.down, E, b.expert_out.get(), R, H, I, err);
+  p.routed1 = gemm1_params_for(state.row_buffer(), resident, w.gate, w.up, E, b.h.get(), b.g.get(), b.u.get(),
+                               resident, H, I, err);
+  p.routed2 = gemm2_params_for(b.h.get(), w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err);
+  p.ring_tiles = b.ring() ? static_cast<int>(resident / kRowTile) : 0;
   p.routed1.sched.offsets = b.seg_offsets.get();  // expert_of / real rows of a routed row tile
   p.routed1.sched.rows = b.seg_rows.get();
   p.routed1.sched.experts = static_cast<int>(E);
@@ -305,6 +334,11 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);
+  if (p.ring_tiles > 0) {  // resolve_ring: plain pull, no help
+    p.dispatch.ring_tiles = p.ring_tiles;
+    p.dispatch.ring_free = p.g1_done;
+    p.dispatch.ring_free_target = 2u * static_cast<uint32_t>(p.tasks.n1);
+  }
   if (o.dedup && !o.token_major && p.dispatch.remote_ctas == 0 && o.help_rows != 0) {
     // Automatic: a quarter of the routed rows (the fan-out's front-loaded part) when no shared
     // expert hides the first minibatch's dispatch, else none.
@@ -472,7 +506,8 @@ ForwardPath forward_path_from_env() {
 const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kStaged ? "staged" : "fused"; }
 
 void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
-                   const FusedForwardOptions& o, cudaStream_t stream) {
+                   const FusedForwardOptions& options, cudaStream_t stream) {
+  const FusedForwardOptions o = resolve_ring(state, b, options);
   const int grid = resolve_grid(o);
   const int join = resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));

@@ -51,10 +51,11 @@ struct EpiloguePush {
 // the tile's K loop, so that the entry's load latency hides behind it; branch-free (every lane
 // loads, a select picks), since lane-divergent code before the K loop can make ptxas serialise
 // the wgmma (C7518). Every row of a tile has an entry (padding rows: src_rank -1).
-__device__ inline const char* push_row_dst(const EpiloguePush& p, const gemm::RowTile& t, const gemm::EpiCtx& ctx) {
+// row0: the tile's first row in the schedule's expert-major order (not its macrobatch ring slot).
+__device__ inline const char* push_row_dst(const EpiloguePush& p, int row0, int real_rows, const gemm::EpiCtx& ctx) {
   const int r = 16 * (ctx.tid / 32) + (ctx.tid & 15);
-  const comm::RowEntry e = p.rows[t.row0 + 64 * ctx.wg + r];
-  const bool push = 64 * ctx.wg + r < t.real_rows && e.src_rank >= 0 && (p.own_rows || e.src_rank != p.peers.rank);
+  const comm::RowEntry e = p.rows[row0 + 64 * ctx.wg + r];
+  const bool push = 64 * ctx.wg + r < real_rows && e.src_rank >= 0 && (p.own_rows || e.src_rank != p.peers.rank);
   const int64_t slot = static_cast<int64_t>(e.token) * p.topk + e.k;
   return push ? p.peers.base[max(e.src_rank, 0)] + p.slots_offset + slot * p.row_bytes : nullptr;
 }

@@ -94,6 +94,12 @@ struct FusedForwardParams {
   GatherParams gather;
   TopkSumParams topk;  // the fused top-k sum (fused_topk_sum.cuh); off: the epilogue kernel after this one
   EpiloguePush push;   // the combine from GEMM 2's epilogue (fused_push.cuh); off: the comm CTAs combine
+  // Macrobatch ring (Config::macrobatch): routed row tile t reads and writes slot t % ring_tiles
+  // of the row buffer and of h, g, u; GEMM 1 of t waits until GEMM 2 of t - ring_tiles read
+  // its hidden rows, the dispatch of t until GEMM 1 of t - ring_tiles read its rows
+  // (DispatchRole::ring_tiles). Needs the epilogue push of every row (expert_out is not
+  // written). 0: every routed row tile has its own rows.
+  int ring_tiles = 0;
   MOK_FWD_TRACE(trace::Sink trace;)
 };
 
@@ -122,7 +128,9 @@ __device__ inline gemm::RowTile tile_of(const FusedForwardParams& p, const Task&
   const int e = s.expert_of(t.row_tile);
   const int real = min(max(__ldg(s.rows + e) - (t.row_tile * gemm::kRowTileRows - __ldg(s.offsets + e)), 0),
                        gemm::kRowTileRows);
-  return make_row_tile(e, t.row_tile, real, t.n_tile);
+  // The GEMM kinds address the row buffer and h, g, u through row0: the ring's slot. (Task
+  // keeps the global row tile: completion counters, the push's row entries.)
+  return make_row_tile(e, p.ring_tiles > 0 ? t.row_tile % p.ring_tiles : t.row_tile, real, t.n_tile);
 }
 
 __device__ __forceinline__ const gemm::Gemm1SwigluParams& gemm1_params(const FusedForwardParams& p, TaskKind k) {
@@ -211,6 +219,14 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
         comm::wait_minibatch_landed(p.ready, p.view, t.minibatch, p.wait);
       } else {
         comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
+      }
+      if (p.ring_tiles > 0 && t.row_tile >= p.ring_tiles) {
+        // The ring slot's hidden rows (and saved g, u) belong to tile row_tile - ring_tiles until
+        // GEMM 2 read them: every column block of it published (its TMA loads completed).
+        // GEMM 2 of that tile is at least one minibatch earlier in the list (Config::macrobatch
+        // >= two minibatches), so it was handed out before this task.
+        comm::wait_geq<Scope::kGpu>(p.g2_done + (t.row_tile - p.ring_tiles), 2u * p.tasks.n2,
+                                    comm::WaitSite::kRingSlot, p.wait);
       }
       break;
     case TaskKind::kGemm2:
@@ -574,7 +590,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     }
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     const bool push = p.push.on && t.kind == TaskKind::kGemm2;
-    const char* push_dst = push ? push_row_dst(p.push, tile, ctx) : nullptr;  // loaded before the K loop
+    // (loaded before the K loop; the task's global row tile names the rows' entries)
+    const char* push_dst = push ? push_row_dst(p.push, t.row_tile * gemm::kRowTileRows, tile.real_rows, ctx) : nullptr;
     // After this task's first batch (or once, without K steps): publish `pending` (its stores
     // are older than the last epilogue's groups), `fresh` moves up.
     const int publish_at = gemm::hook_slot(0, k_steps);

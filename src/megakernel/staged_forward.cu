@@ -59,17 +59,18 @@ void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeight
 
 }  // namespace
 
-ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows)
+ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows, int64_t resident)
     : buffer_rows(rows),
+      resident_rows(resident > 0 && resident < rows ? resident : rows),
       shared_rows(round_up(s.tokens, kRowTile)),
       seg_offsets(s.local_experts() + 1),
       seg_rows(s.local_experts()),
       shared_offsets(2),
       shared_rows_dev(1),
-      h(rows * s.intermediate),
-      g(rows * s.intermediate),
-      u(rows * s.intermediate),
-      expert_out(rows * s.hidden),
+      h(resident_rows * s.intermediate),
+      g(resident_rows * s.intermediate),
+      u(resident_rows * s.intermediate),
+      expert_out((resident_rows < rows ? kRowTile : rows) * s.hidden),
       shared_x(s.has_shared() ? shared_rows * s.hidden : 0),
       shared_h(shared_rows * s.shared_intermediate),
       shared_g(shared_rows * s.shared_intermediate),
@@ -85,8 +86,29 @@ ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows)
   MOK_CUDA_CHECK(cudaMemset(gemm_error.get(), 0, gemm_error.bytes()));
 }
 
+namespace {
+
+// The staged launches write every routed row: they need a workspace without the ring.
+void refuse_ring(const comm::CommState& state, const ForwardBuffers& b, const char* what) {
+  if (!b.ring() && !state.row_buffer_is_ring()) return;
+  throw_invalid("Config.macrobatch",
+                std::string("0 or at least the routed buffer (") + std::to_string(b.buffer_rows) + " rows) for " + what +
+                    ", which keeps every routed row (the macrobatch ring is the fused forward's; a workspace created "
+                    "with MOK_FORWARD_PATH=staged keeps every row)",
+                std::to_string(state.config().macrobatch));
+}
+
+}  // namespace
+
+int64_t resident_tile(const ForwardBuffers& b, int64_t tile, int64_t padded_rows) {
+  if (!b.ring()) return tile;
+  const int64_t ring = b.resident_rows / kRowTile, tiles = padded_rows / kRowTile;
+  return tile >= tiles - ring ? tile % ring : -1;
+}
+
 void forward_gemms_only(comm::CommState& state, ForwardBuffers& b, const ExpertWeights& w,
                         const StagedForwardOptions& o, cudaStream_t stream) {
+  refuse_ring(state, b, "the GEMMs-alone yardstick");
   run_expert_gemms(state.shape(), b, w, state.row_buffer(), o, stream);
 }
 
@@ -108,6 +130,7 @@ void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream) {
 
 void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
                     const StagedForwardOptions& o, cudaStream_t stream) {
+  refuse_ring(state, b, "the staged forward");
   const LayerShape& s = state.shape();
   convert_segments(state, b, stream);
   state.stage_x(args.x, stream);

@@ -17,14 +17,22 @@ namespace mok::megakernel {
 
 // Buffers of the forward pass beyond the communication layer's, sized once per workspace.
 struct ForwardBuffers {
-  ForwardBuffers(const LayerShape& shape, const Config& config, int64_t buffer_rows);
+  // resident_rows: rows of h, g, u (and expert_out) kept; 0 or >= buffer_rows: every row. Fewer
+  // (Config::resident_routed_rows) make them the fused forward's macrobatch ring, whose GEMM 2
+  // pushes every row into its slot, so expert_out then holds one row tile (never written).
+  ForwardBuffers(const LayerShape& shape, const Config& config, int64_t buffer_rows, int64_t resident_rows = 0);
 
   int64_t buffer_rows = 0;       // rows of the expert-major buffer (multiple of kRowTile)
+  int64_t resident_rows = 0;     // rows of h, g, u: buffer_rows, or the macrobatch ring's rows
   int64_t shared_rows = 0;       // T rounded up to kRowTile (shared expert row buffer)
+  bool ring() const { return resident_rows < buffer_rows; }
   comm::DeviceBuffer<int32_t> seg_offsets, seg_rows;        // [E_local + 1], [E_local] for the GEMMs
   comm::DeviceBuffer<int32_t> shared_offsets, shared_rows_dev;  // one segment of T rows
-  comm::DeviceBuffer<bf16> h, g, u;                         // [buffer_rows, I]; g, u: saved context
-  comm::DeviceBuffer<bf16> expert_out;                      // [buffer_rows, H]
+  // [resident_rows, I]; g, u: saved context. With the ring, routed row tile t (of the schedule's
+  // padded rows) lives in slot t % (resident_rows / 128); after a pass the slots hold the last
+  // resident_rows / 128 row tiles (see resident_tile).
+  comm::DeviceBuffer<bf16> h, g, u;
+  comm::DeviceBuffer<bf16> expert_out;                      // [buffer_rows, H] (ring: [128, H], unused)
   comm::DeviceBuffer<bf16> shared_x;                        // [shared_rows, H], padding rows zero
   comm::DeviceBuffer<bf16> shared_h, shared_g, shared_u;    // [shared_rows, I_shared]
   comm::DeviceBuffer<bf16> shared_out;                      // [shared_rows, H]
@@ -54,6 +62,11 @@ void staged_forward(comm::CommState& state, ForwardBuffers& buffers, const Forwa
 // the buffers: the "GEMMs alone" time of the benchmark.
 void forward_gemms_only(comm::CommState& state, ForwardBuffers& buffers, const ExpertWeights& weights,
                         const StagedForwardOptions& options, cudaStream_t stream);
+
+// Where routed row tile `tile` of a pass with `padded_rows` rows sits in h, g, u afterwards: its
+// row tile index there, or -1 when the macrobatch ring no longer holds it (backward recomputes
+// it). Without a ring, the tile itself.
+int64_t resident_tile(const ForwardBuffers& buffers, int64_t tile, int64_t padded_rows);
 
 // Steps shared by the staged and the fused forward.
 // The schedule's int64 segment table -> the GEMM engine's int32 one (empty when poisoned).

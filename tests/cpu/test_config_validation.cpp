@@ -157,4 +157,25 @@ TEST(ConfigValidation, CapacitySizesBuffers) {
   EXPECT_EQ(c.max_rows_per_rank(s), 2048 * 2);
 }
 
+// macrobatch: a ring of at least two minibatches below the routed buffer, every row otherwise.
+TEST(ConfigValidation, MacrobatchSizesTheResidentRows) {
+  const auto s = good_shape();  // buffer_rows_per_rank 5120 at capacity 2
+  mok::Config c;
+  c.minibatch = 256;
+  const int64_t all = c.buffer_rows_per_rank(s);
+  EXPECT_EQ(c.resident_routed_rows(s), all);  // 0: every row
+  c.macrobatch = 512;
+  EXPECT_NO_THROW(c.validate(s));
+  EXPECT_EQ(c.resident_routed_rows(s), 512);
+  c.macrobatch = 256;  // one minibatch: GEMM 1 of m would wait on GEMM 2 of m - 1 (handed out later)
+  expect_invalid([&] { c.validate(s); }, {"Config.macrobatch", "at least two minibatches (512 rows)", "256"});
+  c.macrobatch = (all / 256 + 1) * 256;  // at least the buffer: every row, no ring
+  EXPECT_NO_THROW(c.validate(s));
+  EXPECT_EQ(c.resident_routed_rows(s), all);
+  c.minibatch = all;  // one minibatch holds the buffer: a macrobatch of it keeps every row
+  c.macrobatch = all;
+  EXPECT_NO_THROW(c.validate(s));
+  EXPECT_EQ(c.resident_routed_rows(s), all);
+}
+
 }  // namespace

@@ -7,6 +7,7 @@
 // and in the saved context (g, u of every routed and shared row).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -224,7 +225,8 @@ INSTANTIATE_TEST_SUITE_P(Ep, ForwardVsReference,
 
 class ForwardDeterminism : public ::testing::TestWithParam<int> {};
 
-// D1 at length (100 repeats) and D2: comm CTAs, minibatch, macrobatch and grid size.
+// D1 at length (100 repeats) and D2: comm CTAs, minibatch, macrobatch (the fused forward's ring;
+// the staged path keeps every row) and grid size.
 TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
   const int ep = GetParam();
   MOK_REQUIRE_GPUS(ep);
@@ -248,6 +250,14 @@ TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
   tiny.grid_sms = 2;
   tiny.minibatch = 256;
   configs.push_back(tiny);
+  Config tiny_ring = tiny;  // the same with the macrobatch ring of two minibatches: its waits too
+  tiny_ring.minibatch = 128;
+  tiny_ring.macrobatch = 256;
+  configs.push_back(tiny_ring);
+  Config ring3 = default_config(s);  // a ring of three minibatches over the whole grid
+  ring3.minibatch = 256;
+  ring3.macrobatch = 768;
+  configs.push_back(ring3);
   const Outputs base = run_gpu(p, {configs[0]}, 100);
   const Outputs knobs = run_gpu(p, configs, 1);
   for (int r = 0; r < ep; ++r) {
@@ -280,7 +290,9 @@ INSTANTIATE_TEST_SUITE_P(Ep, ForwardEpInvariance, ::testing::Values(2, 4, 8));
 
 // ---- fused == staged, bit for bit, in y and in the saved forward context ------------------------
 struct PassBits {
-  std::vector<uint16_t> y, g, u, shared_g, shared_u;  // g, u: the schedule's padded rows only
+  // g, u: the schedule's padded rows only, or with the macrobatch ring its slots (every slot)
+  std::vector<uint16_t> y, g, u, shared_g, shared_u;
+  int64_t padded_rows = 0;
   std::vector<uint16_t> slots;  // [T * K, H]: every (t, k) row, when no row is read in place (kPlain, kPushAll)
 };
 
@@ -342,8 +354,10 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     };
     PassBits& o = out[r.rank];
     o.y = get(d.y.get(), d.y.size());
-    o.g = get(fb.g.get(), size_t(h.padded_rows) * s.intermediate);
-    o.u = get(fb.u.get(), size_t(h.padded_rows) * s.intermediate);
+    const size_t rows = fb.ring() ? size_t(fb.resident_rows) : size_t(h.padded_rows);
+    o.padded_rows = h.padded_rows;
+    o.g = get(fb.g.get(), rows * s.intermediate);
+    o.u = get(fb.u.get(), rows * s.intermediate);
     o.shared_g = get(fb.shared_g.get(), size_t(s.tokens) * s.shared_intermediate);
     o.shared_u = get(fb.shared_u.get(), size_t(s.tokens) * s.shared_intermediate);
     if (all_slots) o.slots = get(ws->impl().state->slots(), slot_elems);
@@ -407,6 +421,57 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ep, FusedVsStaged, ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Range(0, 6)),
+                         [](const auto& info) {
+                           return std::string(cases()[std::get<1>(info.param)].name) + "_ep" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+// Macrobatch (Config::macrobatch below the routed buffer): the fused forward runs its routed
+// rows through a ring of that many rows. y keeps its bits, and afterwards the ring holds the
+// saved g, u of the last row tiles, bit for bit those of the pass with every row resident. Rings
+// of two and three minibatches of one row tile: most tiles reuse a slot, so every ring wait and
+// every slot's reuse is exercised.
+class ForwardMacrobatch : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
+  const auto [ep, which] = GetParam();
+  MOK_REQUIRE_GPUS(ep);
+  const Case c = case_at(which, ep);
+  const Problem p = make_problem(c.shape, c.pattern, 5000 + which * 10 + ep);
+  Config cfg = default_config(c.shape);
+  cfg.minibatch = 128;
+  const auto full = run_path(p, cfg, megakernel::ForwardPath::kFused);
+  const size_t I = c.shape.intermediate, tile = size_t(kRowTile) * I;
+  for (int64_t slots : {2, 3}) {
+    Config ring_cfg = cfg;
+    ring_cfg.macrobatch = slots * kRowTile;
+    ASSERT_LT(ring_cfg.resident_routed_rows(c.shape), cfg.buffer_rows_per_rank(c.shape)) << "no ring: " << c.name;
+    const auto ring = run_path(p, ring_cfg, megakernel::ForwardPath::kFused);
+    for (int r = 0; r < ep; ++r) {
+      const std::string what = std::string(c.name) + " rank " + std::to_string(r) + ", ring of " +
+                               std::to_string(slots) + " row tiles";
+      EXPECT_TRUE(same_bits(ring[r].y, full[r].y)) << what << ": y";
+      EXPECT_TRUE(same_bits(ring[r].shared_g, full[r].shared_g)) << what << ": shared g";
+      ASSERT_EQ(ring[r].g.size(), size_t(slots) * tile) << what << ": the ring's g holds its slots only";
+      const int64_t tiles = full[r].padded_rows / kRowTile;
+      int resident = 0;
+      for (int64_t t = std::max<int64_t>(tiles - slots, 0); t < tiles; ++t) {
+        const size_t at = size_t(t % slots) * tile, from = size_t(t) * tile;
+        const std::vector<uint16_t> rg(ring[r].g.begin() + at, ring[r].g.begin() + at + tile);
+        const std::vector<uint16_t> ru(ring[r].u.begin() + at, ring[r].u.begin() + at + tile);
+        const std::vector<uint16_t> fg(full[r].g.begin() + from, full[r].g.begin() + from + tile);
+        const std::vector<uint16_t> fu(full[r].u.begin() + from, full[r].u.begin() + from + tile);
+        EXPECT_TRUE(same_bits(rg, fg)) << what << ": saved g of row tile " << t;
+        EXPECT_TRUE(same_bits(ru, fu)) << what << ": saved u of row tile " << t;
+        ++resident;
+      }
+      EXPECT_EQ(resident, std::min<int64_t>(tiles, slots)) << what;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ep, ForwardMacrobatch,
+                         ::testing::Combine(::testing::Values(1, 2, 4, 8), ::testing::Range(0, 6)),
                          [](const auto& info) {
                            return std::string(cases()[std::get<1>(info.param)].name) + "_ep" +
                                   std::to_string(std::get<0>(info.param));
@@ -489,6 +554,40 @@ TEST(FusedForward, RefusesBadEpiloguePushOptions) {
     ws->impl().epilogue_push = 1;
     ws->impl().fused_topk_sum = true;
     expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push with fused_topk_sum");
+    ws->check();
+  });
+}
+
+// With the macrobatch ring the options that need every row resident are refused, naming
+// them: the staged path, the token-major gather, the fused top-k sum, the push switched off.
+TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{1000, 128, 128, 64, 8, 2, 1};
+  const Problem p = make_problem(s, Pattern::kUniform, 11);
+  Config cfg = default_config(s);
+  cfg.minibatch = 128;
+  cfg.macrobatch = 256;
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    ASSERT_TRUE(ws->impl().forward->ring());
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), nullptr);
+    ws->impl().forward_path = megakernel::ForwardPath::kStaged;
+    expect_forward_refused(*ws, d, ew, "Config.macrobatch", "the staged path on a ring");
+    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    ws->impl().dispatch_token_major = true;
+    expect_forward_refused(*ws, d, ew, "token_major", "token_major on a ring");
+    ws->impl().dispatch_token_major = false;
+    ws->impl().fused_topk_sum = true;
+    expect_forward_refused(*ws, d, ew, "fused_topk_sum", "fused_topk_sum on a ring");
+    ws->impl().fused_topk_sum = false;
+    ws->impl().epilogue_push = 0;
+    expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push 0 on a ring");
+    ws->impl().epilogue_push = -1;
+    MOK_CUDA_CHECK(cudaMemset(d.y.get(), 0xFF, d.y.bytes()));
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);  // the defaults run
     ws->check();
   });
 }
