@@ -14,7 +14,7 @@ CommState::CommState(const LayerShape& shape, const Config& config, ncclComm_t c
   window_ = std::make_unique<SymmetricWindow>(comm, layout_.total);
   schedule_ = std::make_unique<ScheduleBuffers>(shape, config);
   row_buffer_rows_ = row_buffer_rows > 0 ? std::min(row_buffer_rows, schedule_->buffer_rows) : schedule_->buffer_rows;
-  if (row_buffer_rows_ % schedule_->minibatch != 0) {
+  if (row_buffer_rows_ < schedule_->buffer_rows && row_buffer_rows_ % schedule_->minibatch != 0) {
     throw_invalid("CommState row_buffer_rows", "a multiple of the minibatch (" + std::to_string(schedule_->minibatch) +
                                                    " rows) or the whole buffer",
                   std::to_string(row_buffer_rows));

@@ -244,13 +244,13 @@ gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf
   return p;
 }
 
-gemm::Gemm2Params gemm2_params_for(const bf16* h, const bf16* down, int64_t experts, bf16* out, int64_t rows,
-                                   int64_t H, int64_t I, const gemm::ErrorSink& err) {
+gemm::Gemm2Params gemm2_params_for(const bf16* h, int64_t h_rows, const bf16* down, int64_t experts, bf16* out,
+                                   int64_t out_rows, int64_t H, int64_t I, const gemm::ErrorSink& err) {
   using gemm::host::map_bf16;
   gemm::Gemm2Params p{};
-  p.h = map_bf16(h, 0, rows, I, 64, 128, "h");
+  p.h = map_bf16(h, 0, h_rows, I, 64, 128, "h");
   p.w_down = map_bf16(down, experts, H, I, 64, 128, "w_down");
-  p.out = map_bf16(out, 0, rows, H, 64, 64, "out");
+  p.out = map_bf16(out, 0, out_rows, H, 64, 64, "out");
   p.k_steps = static_cast<int>(I / 64);
   p.hidden = static_cast<int>(H);
   p.err = err;
@@ -294,7 +294,8 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   FusedForwardParams p{};
   p.routed1 = gemm1_params_for(state.row_buffer(), resident, w.gate, w.up, E, b.h.get(), b.g.get(), b.u.get(),
                                resident, H, I, err);
-  p.routed2 = gemm2_params_for(b.h.get(), w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err);
+  // (with the ring expert_out is one row tile that no store reaches: every row is pushed)
+  p.routed2 = gemm2_params_for(b.h.get(), resident, w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err);
   p.ring_tiles = b.ring() ? static_cast<int>(resident / kRowTile) : 0;
   p.routed1.sched.offsets = b.seg_offsets.get();  // expert_of / real rows of a routed row tile
   p.routed1.sched.rows = b.seg_rows.get();
@@ -308,7 +309,8 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     // the zero padding rows of the staged forward's copy.
     p.shared1 = gemm1_params_for(args.x, s.tokens, w.shared_gate, w.shared_up, 1, b.shared_h.get(),
                                  b.shared_g.get(), b.shared_u.get(), b.shared_rows, H, S, err);
-    p.shared2 = gemm2_params_for(b.shared_h.get(), w.shared_down, 1, b.shared_out.get(), b.shared_rows, H, S, err);
+    p.shared2 = gemm2_params_for(b.shared_h.get(), b.shared_rows, w.shared_down, 1, b.shared_out.get(), b.shared_rows,
+                                 H, S, err);
   }
   p.tasks.shared_row_tiles = s.has_shared() ? static_cast<int>(b.shared_rows / kRowTile) : 0;
   p.tasks.shared_n1 = static_cast<int>(ceil_div(S, 128));
