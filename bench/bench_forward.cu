@@ -18,7 +18,7 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--macrobatch ROWS]
+//                 [--macrobatch ROWS] [--stage-x 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -42,7 +42,9 @@
 // write the push replaces; fwd_push_all_store_ms). --macrobatch ROWS: the same layer on a second
 // workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
-// bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb).
+// bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb). --stage-x 1: the same with
+// x staged into the window at EP 1 too (FusedForwardOptions::stage_x; by default the EP 1 dispatch
+// reads the caller's x; fwd_stage_x_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -84,7 +86,7 @@ struct Options {
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
-       push_all_store = false;
+       push_all_store = false, stage_x = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   bool counter_variant = false;  // --task-counter V given
@@ -127,6 +129,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--push") o.push = std::stoi(v) != 0;
     else if (k == "--push-all") o.push_all = std::stoi(v) != 0;
     else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
+    else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
     else if (k == "--task-counter") {
       o.task_counter = std::stoi(v);
       o.counter_variant = true;
@@ -283,6 +286,7 @@ struct RankResult {
   std::map<int, double> fused_push_ms;      // GEMM 2's epilogues pushing the combine's rows (--push 1)
   std::map<int, double> fused_push_all_ms;  // the same, own rows pushed too (--push-all 1)
   std::map<int, double> fused_push_all_store_ms;  // the same, expert_out stored too (--push-all-store 1)
+  std::map<int, double> fused_stage_x_ms;  // x staged into the window at EP 1 too (--stage-x 1)
   std::map<int, double> fused_macrobatch_ms;  // a workspace with the macrobatch ring (--macrobatch ROWS)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
@@ -373,6 +377,8 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.push_keeps_expert_out = true;
        },
        "-push-all-store"},
+      {o.stage_x, &res.fused_stage_x_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.stage_x = true; }, "-stage-x"},
       {o.macrobatch > 0, &res.fused_macrobatch_ms, [](megakernel::FusedForwardOptions&, const Options&) {},
        "-macrobatch", true},
   };
@@ -556,13 +562,18 @@ int main(int argc, char** argv) {
     const double best_push_all = variant(o.push_all, "push_all", &RankResult::fused_push_all_ms);
     const double best_push_all_store =
         variant(o.push_all_store, "push_all_store", &RankResult::fused_push_all_store_ms);
+    const double best_stage_x = variant(o.stage_x, "stage_x", &RankResult::fused_stage_x_ms);
     const double best_macrobatch = variant(o.macrobatch > 0, "macrobatch", &RankResult::fused_macrobatch_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all || o.push_all_store || o.macrobatch > 0)
+        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
+    if (o.stage_x) {
+      std::printf("%-7s x staged into the window (EP 1 too): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  best_stage_x, ps ? "yes" : "NO");
+    }
     if (o.macrobatch > 0) {
       sweep << ", \"macrobatch\": " << o.macrobatch << ", \"macrobatch_buffer_mb\": "
             << fmt(res[i][0].macrobatch_buffer_mb);

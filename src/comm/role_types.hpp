@@ -96,7 +96,18 @@ struct DispatchRole {
   int64_t ring_tiles = 0;
   const uint32_t* ring_free = nullptr;
   uint32_t ring_free_target = 0;
+  // This rank's tokens are read here instead of the window's staging copy (nullptr: the window).
+  // The fused forward at EP 1 sets it to ForwardArgs::x and skips the staging copy: no peer
+  // reads the window there. 16-byte aligned.
+  const char* own_x = nullptr;
 };
+
+// Token `token` of rank `src` as the dispatch reads it: the owner's staged x in the window, or
+// the own rank's x itself (DispatchRole::own_x).
+MOK_HD inline const char* dispatch_source(const DispatchRole& r, int src, int64_t token) {
+  const char* x = src == r.peers.rank && r.own_x != nullptr ? r.own_x : r.peers.base[src] + r.x_offset;
+  return x + token * r.row_bytes;
+}
 
 // Row `token` of rank `src` in the token-major receive buffer.
 MOK_HD inline int64_t recv_row(int src, int64_t token, int64_t tokens) { return src * tokens + token; }

@@ -264,7 +264,7 @@ __device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const 
       if (e.src_rank < 0) {
         warp_zero(dst, vecs, lane);
       } else {
-        const char* src = r.peers.base[e.src_rank] + r.x_offset + static_cast<int64_t>(e.token) * r.row_bytes;
+        const char* src = dispatch_source(r, e.src_rank, e.token);
         warp_copy<V>(dst, reinterpret_cast<const int4*>(src), vecs, lane, StableLoad{});
       }
     }
@@ -279,8 +279,7 @@ __device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const 
         if (j < mine.count) {  // warp-uniform
           job[q].dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
           if (e.src_rank >= 0) {  // padding rows stay nullptr: zeroed
-            job[q].src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
-                                                       static_cast<int64_t>(e.token) * r.row_bytes);
+            job[q].src = reinterpret_cast<const int4*>(dispatch_source(r, e.src_rank, e.token));
           }
         }
       }
@@ -342,8 +341,7 @@ __device__ inline FanRow fan_row(const DispatchRole& r, const RowEntry& e, int64
   if (e.src_rank < 0) {
     f.dest = lane == 0 ? static_cast<int32_t>(row) : -1;
   } else {
-    f.src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
-                                          static_cast<int64_t>(e.token) * r.row_bytes);
+    f.src = reinterpret_cast<const int4*>(dispatch_source(r, e.src_rank, e.token));
     if (lane < r.topk) f.dest = r.dest_row[(static_cast<int64_t>(e.src_rank) * r.tokens + e.token) * r.topk + lane];
   }
   f.mask = __ballot_sync(0xffffffffu, f.dest >= 0);
@@ -473,8 +471,7 @@ __device__ inline void dispatch_land_warps(const DispatchRole& r, int cta, int n
       if (i < count) {  // warp-uniform
         const int32_t row = __ldg(r.land_rows + i);
         const RowEntry e = r.rows[row];
-        job[q].src = reinterpret_cast<const int4*>(r.peers.base[e.src_rank] + r.x_offset +
-                                                   static_cast<int64_t>(e.token) * r.row_bytes);
+        job[q].src = reinterpret_cast<const int4*>(dispatch_source(r, e.src_rank, e.token));
         job[q].dst = reinterpret_cast<int4*>(r.recv + recv_row(e.src_rank, e.token, r.tokens) * r.row_bytes);
         mb[q] = row / r.minibatch_rows;
       }

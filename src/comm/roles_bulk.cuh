@@ -355,7 +355,7 @@ struct DispatchRowSource {
       const int64_t row = walk.tile * kRowTile + i;
       job.bytes = static_cast<uint32_t>(r->row_bytes);
       job.src = e.src_rank < 0 ? nullptr
-                               : r->peers.base[e.src_rank] + r->x_offset + static_cast<int64_t>(e.token) * r->row_bytes;
+                               : dispatch_source(*r, e.src_rank, e.token);
       if (kFan && e.src_rank >= 0) {
         const int32_t d = lane < r->topk ? sm.fans()[i * r->topk + lane] : -1;
         job.valid = d >= 0;
@@ -462,7 +462,7 @@ __device__ inline bool remote_rows_by_warps(const Role& r, int cta, int nctas, i
           warp_copy(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(r.expert_out + row * r.row_bytes), vecs,
                     lane, FreshLoad{});
         } else {
-          const char* src = r.peers.base[e.src_rank] + r.x_offset + static_cast<int64_t>(e.token) * r.row_bytes;
+          const char* src = dispatch_source(r, e.src_rank, e.token);
           warp_copy(reinterpret_cast<int4*>(r.row_buffer + row * r.row_bytes), reinterpret_cast<const int4*>(src), vecs,
                     lane, StableLoad{});
         }

@@ -75,6 +75,9 @@ struct FusedForwardOptions {
   // Measurement only: with every row pushed, TMA-store the tiles into expert_out as well (the
   // A/B of the write the push replaces; bench_forward --push-all-store).
   bool push_keeps_expert_out = false;
+  // Measurement only: stage x into the window at EP 1 too (by default the dispatch reads the
+  // caller's x there, DispatchRole::own_x; bench_forward --stage-x 1 times the copy it saves).
+  bool stage_x = false;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the
