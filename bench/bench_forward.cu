@@ -18,7 +18,7 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--macrobatch ROWS] [--stage-x 0|1]
+//                 [--macrobatch ROWS] [--stage-x 0|1] [--alt-comm N]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -44,7 +44,9 @@
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
 // bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb). --stage-x 1: the same with
 // x staged into the window at EP 1 too (FusedForwardOptions::stage_x; by default the EP 1 dispatch
-// reads the caller's x; fwd_stage_x_ms).
+// reads the caller's x; fwd_stage_x_ms). --alt-comm N: every variant runs with N comm CTAs whatever
+// the sweep's count, and the default at N is one more variant (fwd_alt_comm_ms): counts compared
+// interleaved (one after the other, neighbouring counts swap places from run to run).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -93,6 +95,7 @@ struct Options {
   int task_counter = -1;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
+  int alt_comm = 0;           // --alt-comm N: the variants (and the default as one more) at N comm CTAs
   int64_t macrobatch = 0;     // --macrobatch ROWS: also time a workspace with Config::macrobatch = ROWS
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
@@ -130,6 +133,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--push-all") o.push_all = std::stoi(v) != 0;
     else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
     else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
+    else if (k == "--alt-comm") o.alt_comm = std::stoi(v);
     else if (k == "--task-counter") {
       o.task_counter = std::stoi(v);
       o.counter_variant = true;
@@ -286,6 +290,7 @@ struct RankResult {
   std::map<int, double> fused_push_ms;      // GEMM 2's epilogues pushing the combine's rows (--push 1)
   std::map<int, double> fused_push_all_ms;  // the same, own rows pushed too (--push-all 1)
   std::map<int, double> fused_push_all_store_ms;  // the same, expert_out stored too (--push-all-store 1)
+  std::map<int, double> fused_alt_comm_ms;  // the default at --alt-comm N comm CTAs
   std::map<int, double> fused_stage_x_ms;  // x staged into the window at EP 1 too (--stage-x 1)
   std::map<int, double> fused_macrobatch_ms;  // a workspace with the macrobatch ring (--macrobatch ROWS)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
@@ -377,6 +382,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.push_keeps_expert_out = true;
        },
        "-push-all-store"},
+      {o.alt_comm > 0, &res.fused_alt_comm_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, "-alt-comm"},
       {o.stage_x, &res.fused_stage_x_ms,
        [](megakernel::FusedForwardOptions& fo, const Options&) { fo.stage_x = true; }, "-stage-x"},
       {o.macrobatch > 0, &res.fused_macrobatch_ms, [](megakernel::FusedForwardOptions&, const Options&) {},
@@ -390,17 +396,17 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     megakernel::fused_forward(*W.impl().state, *W.impl().forward, args, w, fo, st);
     W.impl().last_stream = st;
   };
-  auto options_for = [&](int c, Configure configure) {
+  auto options_for = [&](int c, Configure configure, bool variant) {
     megakernel::FusedForwardOptions fo;
-    fo.comm_ctas = c;
+    fo.comm_ctas = variant && o.alt_comm > 0 ? o.alt_comm : c;
     fo.timeout_s = cfg.wait_timeout_s;
     configure(fo, o);
     // --join N is capped so that one comm CTA still combines at EP >= 2 (a sweep may go below N).
-    if (fo.join_gemm > 0) fo.join_gemm = std::min(fo.join_gemm, c - (s.ep > 1 ? 1 : 0));
+    if (fo.join_gemm > 0) fo.join_gemm = std::min(fo.join_gemm, fo.comm_ctas - (s.ep > 1 ? 1 : 0));
     return fo;
   };
   {  // the default's y: the reference of the variants' bits
-    const auto fo = options_for(o.comm.front(), modes[0].configure);
+    const auto fo = options_for(o.comm.front(), modes[0].configure, false);
     schedule(*ws, L.topk_idx.get(), st);
     megakernel::fused_forward(state, buf, args, w, fo, st);
     impl.last_stream = st;
@@ -414,7 +420,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     for (const Mode& m : modes) {
       if (!m.on) continue;
       on.push_back(&m);
-      fos.push_back(options_for(c, m.configure));
+      fos.push_back(options_for(c, m.configure, &m != &modes[0]));
     }
     const std::vector<double> ms =
         time_interleaved_ms(o, sync, st, static_cast<int>(on.size()), [&](int j) { pass(on[j], fos[j]); });
@@ -562,14 +568,20 @@ int main(int argc, char** argv) {
     const double best_push_all = variant(o.push_all, "push_all", &RankResult::fused_push_all_ms);
     const double best_push_all_store =
         variant(o.push_all_store, "push_all_store", &RankResult::fused_push_all_store_ms);
+    const double best_alt_comm = variant(o.alt_comm > 0, "alt_comm", &RankResult::fused_alt_comm_ms);
     const double best_stage_x = variant(o.stage_x, "stage_x", &RankResult::fused_stage_x_ms);
     const double best_macrobatch = variant(o.macrobatch > 0, "macrobatch", &RankResult::fused_macrobatch_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x)
+        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
+    if (o.alt_comm > 0) {
+      sweep << ", \"alt_comm\": " << o.alt_comm;
+      std::printf("%-7s the default at %d comm CTAs (the variants too): best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), o.alt_comm, best_alt_comm, ps ? "yes" : "NO");
+    }
     if (o.stage_x) {
       std::printf("%-7s x staged into the window (EP 1 too): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
                   best_stage_x, ps ? "yes" : "NO");
