@@ -18,7 +18,7 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--macrobatch ROWS] [--stage-x 0|1] [--alt-comm N]
+//                 [--macrobatch ROWS] [--stage-x 0|1] [--alt-comm N] [--plain-dispatch 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -47,6 +47,8 @@
 // reads the caller's x; fwd_stage_x_ms). --alt-comm N: every variant runs with N comm CTAs whatever
 // the sweep's count, and the default at N is one more variant (fwd_alt_comm_ms): counts compared
 // interleaved (one after the other, neighbouring counts swap places from run to run).
+// --plain-dispatch 1: the same with the plain pull dispatch (dedup off; combine and the rest as the
+// default; fwd_plain_dispatch_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -88,7 +90,7 @@ struct Options {
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
-       push_all_store = false, stage_x = false;
+       push_all_store = false, stage_x = false, plain_dispatch = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   bool counter_variant = false;  // --task-counter V given
@@ -134,6 +136,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
     else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
     else if (k == "--alt-comm") o.alt_comm = std::stoi(v);
+    else if (k == "--plain-dispatch") o.plain_dispatch = std::stoi(v) != 0;
     else if (k == "--task-counter") {
       o.task_counter = std::stoi(v);
       o.counter_variant = true;
@@ -290,6 +293,7 @@ struct RankResult {
   std::map<int, double> fused_push_ms;      // GEMM 2's epilogues pushing the combine's rows (--push 1)
   std::map<int, double> fused_push_all_ms;  // the same, own rows pushed too (--push-all 1)
   std::map<int, double> fused_push_all_store_ms;  // the same, expert_out stored too (--push-all-store 1)
+  std::map<int, double> fused_plain_dispatch_ms;  // dedup off, the rest default (--plain-dispatch 1)
   std::map<int, double> fused_alt_comm_ms;  // the default at --alt-comm N comm CTAs
   std::map<int, double> fused_stage_x_ms;  // x staged into the window at EP 1 too (--stage-x 1)
   std::map<int, double> fused_macrobatch_ms;  // a workspace with the macrobatch ring (--macrobatch ROWS)
@@ -382,6 +386,8 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.push_keeps_expert_out = true;
        },
        "-push-all-store"},
+      {o.plain_dispatch, &res.fused_plain_dispatch_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.dedup = false; }, "-plain-dispatch"},
       {o.alt_comm > 0, &res.fused_alt_comm_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, "-alt-comm"},
       {o.stage_x, &res.fused_stage_x_ms,
        [](megakernel::FusedForwardOptions& fo, const Options&) { fo.stage_x = true; }, "-stage-x"},
@@ -568,15 +574,20 @@ int main(int argc, char** argv) {
     const double best_push_all = variant(o.push_all, "push_all", &RankResult::fused_push_all_ms);
     const double best_push_all_store =
         variant(o.push_all_store, "push_all_store", &RankResult::fused_push_all_store_ms);
+    const double best_plain_dispatch = variant(o.plain_dispatch, "plain_dispatch", &RankResult::fused_plain_dispatch_ms);
     const double best_alt_comm = variant(o.alt_comm > 0, "alt_comm", &RankResult::fused_alt_comm_ms);
     const double best_stage_x = variant(o.stage_x, "stage_x", &RankResult::fused_stage_x_ms);
     const double best_macrobatch = variant(o.macrobatch > 0, "macrobatch", &RankResult::fused_macrobatch_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0)
+        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
+    if (o.plain_dispatch) {
+      std::printf("%-7s plain pull dispatch (dedup off): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  best_plain_dispatch, ps ? "yes" : "NO");
+    }
     if (o.alt_comm > 0) {
       sweep << ", \"alt_comm\": " << o.alt_comm;
       std::printf("%-7s the default at %d comm CTAs (the variants too): best %.3f ms, same bits: %s\n",
