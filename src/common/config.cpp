@@ -102,7 +102,11 @@ int Config::effective_comm_sms_forward(const LayerShape& shape) const {
                         static_cast<double>(shape.shared_intermediate) * static_cast<double>(shape.tokens));
   const double gemm_s = flops / 600e12, cta_bytes_per_s = 33e9;
   int ctas = static_cast<int>(std::ceil(bytes / (gemm_s * cta_bytes_per_s)));
-  if (shape.ep == 1) {
+  // With the macrobatch ring the comm CTAs dispatch for the whole pass (each tile waits for its
+  // slot) and never get to join: the bytes-per-flop count above, as at EP >= 2 (dsv3 at EP 1: a
+  // ring of 16384 rows cost +2.8 % at 4 comm CTAs, +7.7 % at 16, docs/megakernel.md).
+  const bool ring = resident_routed_rows(shape) < buffer_rows_per_rank(shape);
+  if (shape.ep == 1 && !ring) {
     // EP 1: no combine, and every comm CTA takes GEMM tasks once its dispatch share (a local
     // copy of the T*K rows) is done, so more CTAs cost little and bring the rows sooner: at
     // least one per 60 MB of rows, up to 16. Moves dsv3 from 6 to 16 (3-6 % faster in four EP 1

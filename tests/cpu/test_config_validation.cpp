@@ -144,6 +144,12 @@ TEST(ConfigValidation, AutomaticCommSmsAtEp1CoverTheDispatchBytes) {
   EXPECT_EQ(c.effective_comm_sms_forward(mok::gptoss_shape(1)), 6);  // 189 MB: the floor
   c.comm_sms_forward = 9;
   EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(1)), 9);
+  // With the macrobatch ring the comm CTAs dispatch all pass long (no joining): bytes per flop.
+  mok::Config ring;
+  ring.macrobatch = 4 * ring.effective_minibatch(mok::dsv3_shape(1));
+  EXPECT_EQ(ring.effective_comm_sms_forward(mok::dsv3_shape(1)),
+            mok::Config{}.effective_comm_sms_forward(mok::dsv3_shape(2)));
+  EXPECT_LT(ring.effective_comm_sms_forward(mok::dsv3_shape(1)), 16);
 }
 
 TEST(ConfigValidation, CapacitySizesBuffers) {
