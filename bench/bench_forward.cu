@@ -18,7 +18,7 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--macrobatch ROWS] [--stage-x 0|1] [--alt-comm N] [--plain-dispatch 0|1]
+//                 [--macrobatch ROWS] [--ring-ctas N] [--stage-x 0|1] [--alt-comm N] [--plain-dispatch 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -42,7 +42,8 @@
 // write the push replaces; fwd_push_all_store_ms). --macrobatch ROWS: the same layer on a second
 // workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
-// bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb). --stage-x 1: the same with
+// bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb); --ring-ctas N sets its
+// FusedForwardOptions::ring_comm_ctas (default -1, automatic). --stage-x 1: the same with
 // x staged into the window at EP 1 too (FusedForwardOptions::stage_x; by default the EP 1 dispatch
 // reads the caller's x; fwd_stage_x_ms). --alt-comm N: every variant runs with N comm CTAs whatever
 // the sweep's count, and the default at N is one more variant (fwd_alt_comm_ms): counts compared
@@ -98,6 +99,7 @@ struct Options {
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
   int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
   int alt_comm = 0;           // --alt-comm N: the variants (and the default as one more) at N comm CTAs
+  int ring_ctas = -1;         // --ring-ctas N: the ring variant's FusedForwardOptions::ring_comm_ctas
   int64_t macrobatch = 0;     // --macrobatch ROWS: also time a workspace with Config::macrobatch = ROWS
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
@@ -125,6 +127,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--warm-ms") o.warm_ms = std::stod(v);
     else if (k == "--minibatch") o.minibatch = std::stoll(v);
     else if (k == "--macrobatch") o.macrobatch = std::stoll(v);
+    else if (k == "--ring-ctas") o.ring_ctas = std::stoi(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--plain") o.plain = std::stoi(v) != 0;
@@ -391,8 +394,9 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
       {o.alt_comm > 0, &res.fused_alt_comm_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, "-alt-comm"},
       {o.stage_x, &res.fused_stage_x_ms,
        [](megakernel::FusedForwardOptions& fo, const Options&) { fo.stage_x = true; }, "-stage-x"},
-      {o.macrobatch > 0, &res.fused_macrobatch_ms, [](megakernel::FusedForwardOptions&, const Options&) {},
-       "-macrobatch", true},
+      {o.macrobatch > 0, &res.fused_macrobatch_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.ring_comm_ctas = op.ring_ctas; }, "-macrobatch",
+       true},
   };
   // The workspace a mode runs on, and one pass of it.
   auto ws_of = [&](const Mode* m) -> Workspace& { return m->ring ? *ring_ws : *ws; };
@@ -598,7 +602,7 @@ int main(int argc, char** argv) {
                   best_stage_x, ps ? "yes" : "NO");
     }
     if (o.macrobatch > 0) {
-      sweep << ", \"macrobatch\": " << o.macrobatch << ", \"macrobatch_buffer_mb\": "
+      sweep << ", \"macrobatch\": " << o.macrobatch << ", \"ring_ctas\": " << o.ring_ctas << ", \"macrobatch_buffer_mb\": "
             << fmt(res[i][0].macrobatch_buffer_mb);
       std::printf("%-7s macrobatch ring of %lld rows: best %.3f ms, routed buffers %.0f -> %.0f MB, same bits: %s\n",
                   o.shapes[i].c_str(), static_cast<long long>(o.macrobatch), best_macrobatch,

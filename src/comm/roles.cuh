@@ -301,13 +301,12 @@ __device__ inline void publish_dispatch_tile(const DispatchRole& r, int64_t tile
   fetch_add_release<Scope::kGpu>(r.ready + tile / r.tiles_per_minibatch, 1u);
 }
 
-// Plain pull. Call after the phase barrier that follows the staging of x on every rank. Every
-// thread of the CTA (Shape::kWarps warps).
+// Plain pull of tiles first, first + step, ... below end (this CTA's share).
 template <class Shape, bool kAll>
-__device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) {
-  const int64_t tiles = r.header->padded_rows / kRowTile;
+__device__ inline void dispatch_tile_range(const DispatchRole& r, const CtaGroup& g, int64_t first, int64_t end,
+                                           int64_t step) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
+  for (int64_t tile = first; tile < end; tile += step) {
     const WarpRows mine = warp_tile_rows<Shape, kAll>(r.rows, tile, g.set, r.peers.rank, warp, lane);
     if (r.ring_tiles > 0 && tile >= r.ring_tiles) {
       // The slot's previous tile must be read by every GEMM 1 column block first (its TMA
@@ -322,6 +321,20 @@ __device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) 
     __syncthreads();
     if (threadIdx.x == 0) publish_dispatch_tile(r, tile, g.split);
   }
+}
+
+// Plain pull. Call after the phase barrier that follows the staging of x on every rank. Every
+// thread of the CTA (Shape::kWarps warps). With the macrobatch ring and ring_ctas, the tiles
+// past the first ring window go to the group's first ring_ctas CTAs only: those tiles wait for
+// their slots anyway, and the other CTAs are free to join the GEMM work (each CTA's tiles still
+// come in increasing order).
+template <class Shape, bool kAll>
+__device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) {
+  const int64_t tiles = r.header->padded_rows / kRowTile;
+  const bool narrow = r.ring_tiles > 0 && r.ring_ctas > 0 && r.ring_ctas < g.nctas && !g.split;
+  if (!narrow) return dispatch_tile_range<Shape, kAll>(r, g, g.cta, tiles, g.nctas);
+  dispatch_tile_range<Shape, kAll>(r, g, g.cta, min(tiles, r.ring_tiles), g.nctas);
+  if (g.cta < r.ring_ctas) dispatch_tile_range<Shape, kAll>(r, g, r.ring_tiles + g.cta, tiles, r.ring_ctas);
 }
 
 // ---- dedup dispatch: one read per (token, rank), fanned out to every row of the token ------

@@ -270,6 +270,10 @@ FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuff
                                                       std::to_string(state.row_buffer_rows()) + ")",
                   std::to_string(b.resident_rows));
   }
+  if (o.ring_comm_ctas < -1) {
+    throw_invalid("FusedForwardOptions.ring_comm_ctas", "-1 (automatic), 0 (all comm CTAs) or a count",
+                  std::to_string(o.ring_comm_ctas));
+  }
   if (!b.ring()) return o;
   const std::string ring = "with the macrobatch ring (Config.macrobatch = " +
                            std::to_string(state.config().macrobatch) + " rows)";
@@ -281,6 +285,9 @@ FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuff
   o.own_rows_in_place = false;
   o.epilogue_push = 1;
   o.push_keeps_expert_out = false;
+  // Past the first window the dispatch is paced by GEMM 1 (each tile waits for its slot), so a
+  // few CTAs keep up and the others join the GEMM work. Automatic: all (until measured).
+  o.ring_comm_ctas = o.ring_comm_ctas < 0 ? 0 : std::min(o.ring_comm_ctas, o.comm_ctas);
   return o;
 }
 
@@ -348,6 +355,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     p.dispatch.ring_tiles = p.ring_tiles;
     p.dispatch.ring_free = p.g1_done;
     p.dispatch.ring_free_target = 2u * static_cast<uint32_t>(p.tasks.n1);
+    p.dispatch.ring_ctas = o.ring_comm_ctas;
   }
   if (o.dedup && !o.token_major && p.dispatch.remote_ctas == 0 && o.help_rows != 0) {
     // Automatic: a quarter of the routed rows (the fan-out's front-loaded part) when no shared
