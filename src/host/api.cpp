@@ -62,6 +62,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.join_gemm = impl.join_gemm;
     options.task_counter = impl.task_counter;
     options.epilogue_push = impl.epilogue_push;
+    options.ring_comm_ctas = impl.ring_comm_ctas;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;

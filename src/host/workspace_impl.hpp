@@ -47,6 +47,9 @@ struct Workspace::Impl {
   // Fused path: the combine pushed from GEMM 2's epilogue (FusedForwardOptions::epilogue_push;
   // -1 automatic, the default; 0 off; 1 on). Same bits.
   int epilogue_push = -1;
+  // Fused path with the macrobatch ring: comm CTAs that dispatch past the first ring window
+  // (FusedForwardOptions::ring_comm_ctas; -1 automatic, 0 all). Same bits.
+  int ring_comm_ctas = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
 };
 

@@ -1,6 +1,8 @@
 // The fused forward kernel (entry: role dispatch only) and its host launcher.
 #include "megakernel/fused_forward.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -286,8 +288,20 @@ FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuff
   o.epilogue_push = 1;
   o.push_keeps_expert_out = false;
   // Past the first window the dispatch is paced by GEMM 1 (each tile waits for its slot), so a
-  // few CTAs keep up and the others join the GEMM work. Automatic: all (until measured).
-  o.ring_comm_ctas = o.ring_comm_ctas < 0 ? 0 : std::min(o.ring_comm_ctas, o.comm_ctas);
+  // few CTAs keep up and the others join the GEMM work. Automatic: the CTAs that move the
+  // routed rows at the rate GEMM 1 takes them (~600 TFLOP/s), at ~23 GB/s each (the plain pull
+  // of a fused comm CTA, from qwen3 at EP 1: 8 CTAs too few, 16 enough), with 20 % headroom:
+  // dsv3 5, gptoss 4, qwen3 14 (measured at EP 1 with 16 comm CTAs: dsv3 +1.8 % over the
+  // default at 4, +3.5 % at 8, +11.5 % at all 16; gptoss -0.7 / +2.7 / +5 %; qwen3 needs ~16).
+  if (o.ring_comm_ctas < 0) {
+    const LayerShape& s = state.shape();
+    const double rows = static_cast<double>(s.tokens) * s.topk;
+    const double flops = 6.0 * s.hidden * (static_cast<double>(s.intermediate) * rows +
+                                           static_cast<double>(s.shared_intermediate) * s.tokens);
+    const double bytes_per_s = rows * s.hidden * 2.0 / (flops / 600e12);
+    o.ring_comm_ctas = static_cast<int>(std::ceil(1.2 * bytes_per_s / 23e9));
+  }
+  o.ring_comm_ctas = o.ring_comm_ctas == 0 ? 0 : std::clamp(o.ring_comm_ctas, 1, o.comm_ctas);
   return o;
 }
 

@@ -77,7 +77,8 @@ struct FusedForwardOptions {
   bool push_keeps_expert_out = false;
   // With the macrobatch ring: comm CTAs that keep dispatching past the first ring window (the
   // others join the GEMM work after it; DispatchRole::ring_ctas). -1 (default): automatic
-  // (resolve_ring, fused_forward.cu); 0: all of them; N: min(N, comm_ctas).
+  // (resolve_ring, fused_forward.cu: enough for GEMM 1's pace, dsv3 5, gptoss 4, qwen3 14);
+  // 0: all of them; N: min(N, comm_ctas).
   int ring_comm_ctas = -1;
   // Measurement only: stage x into the window at EP 1 too (by default the dispatch reads the
   // caller's x there, DispatchRole::own_x; bench_forward --stage-x 1 times the copy it saves).

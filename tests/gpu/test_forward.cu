@@ -310,8 +310,10 @@ struct PassBits {
 //   kPushAll     fused only: the same with the own rows pushed too (own rows not read in place): at EP 1
 //                every row goes through the push, and expert_out is not written (the slots are the
 //                saved context)
+//   kRingOne     with the macrobatch ring: one comm CTA dispatches past the first ring window
+//                (FusedForwardOptions::ring_comm_ctas = 1; the others join after it)
 enum class CopyModes {
-  kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll
+  kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll, kRingOne
 };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
@@ -331,6 +333,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     if (modes == CopyModes::kNoJoin) ws->impl().join_gemm = 0;
     if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
     if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = cfg.effective_comm_sms_forward(s) - 1;
+    if (modes == CopyModes::kRingOne) ws->impl().ring_comm_ctas = 1;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
@@ -447,10 +450,14 @@ TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
     ring_cfg.macrobatch = slots * kRowTile;
     ASSERT_LT(ring_cfg.resident_routed_rows(c.shape), cfg.buffer_rows_per_rank(c.shape)) << "no ring: " << c.name;
     const auto ring = run_path(p, ring_cfg, megakernel::ForwardPath::kFused);
+    // One comm CTA past the first window (the others join): the same bits.
+    const auto ring_one = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingOne);
     for (int r = 0; r < ep; ++r) {
       const std::string what = std::string(c.name) + " rank " + std::to_string(r) + ", ring of " +
                                std::to_string(slots) + " row tiles";
       EXPECT_TRUE(same_bits(ring[r].y, full[r].y)) << what << ": y";
+      EXPECT_TRUE(same_bits(ring_one[r].y, full[r].y)) << what << ": y, one comm CTA past the first window";
+      EXPECT_TRUE(same_bits(ring_one[r].g, ring[r].g)) << what << ": saved g, one comm CTA past the first window";
       EXPECT_TRUE(same_bits(ring[r].shared_g, full[r].shared_g)) << what << ": shared g";
       ASSERT_EQ(ring[r].g.size(), size_t(slots) * tile) << what << ": the ring's g holds its slots only";
       const int64_t tiles = full[r].padded_rows / kRowTile;
