@@ -51,18 +51,24 @@ int run_bench(const Options& opts) {
   if (name != "dsv3" && name != "qwen3" && name != "gptoss") throw_invalid("--shape", "dsv3, qwen3 or gptoss", name);
   const int64_t tokens = opts.integer("tokens", 0, 1 << 24);
   const int iters = static_cast<int>(opts.integer("iters", 1, 1000));
+  Config config;
+  config.macrobatch = opts.integer("macrobatch", 0, int64_t{1} << 40);
   const int gpus = bootstrap::local_device_count();
   if (gpus < 1) throw Error(Status::kCudaError, "mok bench: no CUDA GPU visible (the forward runs on the GPU)");
   const LayerShape shape = megakernel::bench_shape(name, gpus, tokens);
-  shape.validate();
+  config.validate(shape);  // a bad --macrobatch names Config.macrobatch and the rows it takes
   const auto routing = megakernel::uniform_routing(shape, 2026);
   const char* path = std::getenv("MOK_FORWARD_PATH");
-  std::printf("mok bench: %s, EP=%d (every local GPU), %s forward%s\n", shape.to_string().c_str(), gpus,
-              path && std::string(path) == "staged" ? "staged" : "fused", " (schedule + forward, Config defaults)");
+  const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
+  std::printf("mok bench: %s, EP=%d (every local GPU), %s forward (schedule + forward, Config defaults%s)\n",
+              shape.to_string().c_str(), gpus, path && std::string(path) == "staged" ? "staged" : "fused",
+              resident < all ? (", macrobatch ring of " + std::to_string(resident) + " of " + std::to_string(all) +
+                                " routed rows").c_str()
+                             : "");
   std::vector<double> ms(gpus, 0.0);
   std::barrier<> sync(gpus);
   bootstrap::run_local_ranks(bootstrap::all_local_devices(), [&](bootstrap::LocalRank& r) {
-    auto ws = Workspace::create(shape, Config{}, r.comm, r.device);
+    auto ws = Workspace::create(shape, config, r.comm, r.device);
     megakernel::RandomLayer layer(shape, r.rank, routing[r.rank], 7);
     cudaStream_t stream;
     MOK_CUDA_CHECK(cudaStreamCreate(&stream));
