@@ -107,8 +107,12 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     const float2 g = unpack_bf16x2(g_bits), u = unpack_bf16x2(u_bits);
     return real ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
   }
+  // store_gu false: the g and u rounds issue no TMA store (zero-column boxes; their bulk groups
+  // stay, empty, so the group accounting is unchanged): h alone is written. The fused forward's
+  // macrobatch ring passes it for row tiles whose saved context the ring will not keep.
   template <class Acc>
-  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                  bool store_gu = true) {
     // Three rounds over the same 64 x 128 block: g (values i, i+1), u (i+64, i+65), then
     // h = silu(g) * u from the rounded g, u. The h math runs between the u round and the h
     // round, in place (bf16x2 h into acc(i)), so it overlaps the TMA store of the u round
@@ -117,14 +121,16 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     const int col0 = 128 * t.n_tile;
     const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
     auto real = [&](int i) { return (i / 2) % 2 ? real1 : real0; };
-    auto issue = [&](const CUtensorMap* map) { return Box2dStore{map, col0, p.inter, t.row0 + 64 * ctx.wg}; };
-    store_round<0, 0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g));
-    store_round<0, 1>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, issue(&p.u));
+    auto issue = [&](const CUtensorMap* map, int cols) { return Box2dStore{map, col0, cols, t.row0 + 64 * ctx.wg}; };
+    const int gu_cols = store_gu ? p.inter : 0;
+    store_round<0, 0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g, gu_cols));
+    store_round<0, 1>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; },
+                      issue(&p.u, gu_cols));
 #pragma unroll
     for (int i = 0; i < 64; i += 2) {
       acc(i) = __uint_as_float(h_pair(pack_bf16x2(acc(i), acc(i + 1)), pack_bf16x2(acc(i + 64), acc(i + 65)), real(i)));
     }
-    store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h));
+    store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h, p.inter));
   }
 
   // The standalone cluster-1 kernel defers the epilogue (consumer_warpgroup): the finished

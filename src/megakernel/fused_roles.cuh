@@ -612,7 +612,11 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
     if (g1) {
-      G1Kind::epilogue(p1, tile, ctx, acc);
+      // With the macrobatch ring only the last ring_tiles row tiles keep their saved g, u (the
+      // slots of earlier ones are overwritten): the others store h alone.
+      const bool keep_gu = p.ring_tiles == 0 || t.kind == TaskKind::kSharedGemm1 ||
+                           t.row_tile >= list.routed_row_tiles - p.ring_tiles;
+      G1Kind::epilogue(p1, tile, ctx, acc, keep_gu);
     } else if (push) {
       gemm2_epilogue_push(p2, tile, ctx, push_dst, p.push.store_out, acc);
     } else {
