@@ -12,6 +12,7 @@
 #include "comm/barrier.cuh"
 #include "comm/cuda_check.hpp"
 #include "gemm/gemm_host.hpp"
+#include "megakernel/bench_support.hpp"
 #include "megakernel/fused_comm.cuh"
 #include "megakernel/fused_roles.cuh"
 
@@ -266,8 +267,7 @@ gemm::Gemm2Params gemm2_params_for(const bf16* h, int64_t h_rows, const bf16* do
 // epilogue pushing every row into its slot (the epilogue kernel reads no row in place, and
 // expert_out is not written). Options that cannot go with it are refused, naming them.
 FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuffers& b, FusedForwardOptions o) {
-  if (b.ring() != state.row_buffer_is_ring() ||
-      (b.ring() && b.resident_rows != state.row_buffer_rows())) {
+  if (b.resident_rows != state.row_buffer_rows()) {
     throw_invalid("ForwardBuffers.resident_rows", "the rows of the comm state's row buffer (" +
                                                       std::to_string(state.row_buffer_rows()) + ")",
                   std::to_string(b.resident_rows));
@@ -295,10 +295,8 @@ FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuff
   // default at 4, +3.5 % at 8, +11.5 % at all 16; gptoss -0.7 / +2.7 / +5 %; qwen3 needs ~16).
   if (o.ring_comm_ctas < 0) {
     const LayerShape& s = state.shape();
-    const double rows = static_cast<double>(s.tokens) * s.topk;
-    const double flops = 6.0 * s.hidden * (static_cast<double>(s.intermediate) * rows +
-                                           static_cast<double>(s.shared_intermediate) * s.tokens);
-    const double bytes_per_s = rows * s.hidden * 2.0 / (flops / 600e12);
+    const double row_bytes = static_cast<double>(s.tokens) * s.topk * s.hidden * 2.0;
+    const double bytes_per_s = row_bytes / (forward_flops(s) / 600e12);
     o.ring_comm_ctas = static_cast<int>(std::ceil(1.2 * bytes_per_s / 23e9));
   }
   o.ring_comm_ctas = o.ring_comm_ctas == 0 ? 0 : std::clamp(o.ring_comm_ctas, 1, o.comm_ctas);

@@ -293,6 +293,7 @@ struct PassBits {
   // g, u: the schedule's padded rows only, or with the macrobatch ring its slots (every slot)
   std::vector<uint16_t> y, g, u, shared_g, shared_u;
   int64_t padded_rows = 0;
+  std::vector<int64_t> resident;  // per routed row tile: its row tile in g, u, or -1 (megakernel::resident_tile)
   std::vector<uint16_t> slots;  // [T * K, H]: every (t, k) row, when no row is read in place (kPlain, kPushAll)
 };
 
@@ -359,6 +360,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     o.y = get(d.y.get(), d.y.size());
     const size_t rows = fb.ring() ? size_t(fb.resident_rows) : size_t(h.padded_rows);
     o.padded_rows = h.padded_rows;
+    for (int64_t t = 0; t < h.padded_rows / kRowTile; ++t) o.resident.push_back(megakernel::resident_tile(fb, t, h.padded_rows));
     o.g = get(fb.g.get(), rows * s.intermediate);
     o.u = get(fb.u.get(), rows * s.intermediate);
     o.shared_g = get(fb.shared_g.get(), size_t(s.tokens) * s.shared_intermediate);
@@ -471,9 +473,14 @@ TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
       EXPECT_TRUE(same_bits(ring[r].shared_g, full[r].shared_g)) << what << ": shared g";
       ASSERT_EQ(ring[r].g.size(), size_t(slots) * tile) << what << ": the ring's g holds its slots only";
       const int64_t tiles = full[r].padded_rows / kRowTile;
+      ASSERT_EQ(ring[r].resident.size(), size_t(tiles)) << what;
       int resident = 0;
-      for (int64_t t = std::max<int64_t>(tiles - slots, 0); t < tiles; ++t) {
-        const size_t at = size_t(t % slots) * tile, from = size_t(t) * tile;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t slot = ring[r].resident[t];
+        if (slot < 0) continue;  // the ring no longer holds it
+        ASSERT_EQ(slot, t % slots) << what << ": row tile " << t;
+        ASSERT_GE(t, tiles - slots) << what << ": row tile " << t << " kept although a later tile took its slot";
+        const size_t at = size_t(slot) * tile, from = size_t(t) * tile;
         const std::vector<uint16_t> rg(ring[r].g.begin() + at, ring[r].g.begin() + at + tile);
         const std::vector<uint16_t> ru(ring[r].u.begin() + at, ring[r].u.begin() + at + tile);
         const std::vector<uint16_t> fg(full[r].g.begin() + from, full[r].g.begin() + from + tile);
