@@ -18,7 +18,9 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--macrobatch ROWS] [--ring-ctas N] [--stage-x 0|1] [--alt-comm N] [--plain-dispatch 0|1]
+//                 [--push-sum 0|1] [--push-all-sum 0|1]
+//                 [--macrobatch ROWS] [--ring-ctas N] [--ring-sum 0|1] [--stage-x 0|1] [--alt-comm N]
+//                 [--plain-dispatch 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -39,11 +41,14 @@
 // into the slots too (own_rows_in_place off: at EP 1 every row goes through the push, and
 // expert_out is not written; fwd_push_all_ms); --push-all-store 1: the same with the tiles
 // TMA-stored into expert_out as well (FusedForwardOptions::push_keeps_expert_out, the A/B of the
-// write the push replaces; fwd_push_all_store_ms). --macrobatch ROWS: the same layer on a second
+// write the push replaces; fwd_push_all_store_ms). --push-sum 1 / --push-all-sum 1: --push / --push-all
+// with the top-k sum inside the fused kernel too (a comm CTA counts the pushed rows per token;
+// fwd_push_sum_ms, fwd_push_all_sum_ms). --macrobatch ROWS: the same layer on a second
 // workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
 // bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb); --ring-ctas N sets its
-// FusedForwardOptions::ring_comm_ctas (default -1, automatic). --stage-x 1: the same with
+// FusedForwardOptions::ring_comm_ctas (default -1, automatic); --ring-sum 1 (with --macrobatch) also
+// times the ring with the top-k sum inside the fused kernel (fwd_macrobatch_sum_ms). --stage-x 1: the same with
 // x staged into the window at EP 1 too (FusedForwardOptions::stage_x; by default the EP 1 dispatch
 // reads the caller's x; fwd_stage_x_ms). --alt-comm N: every variant runs with N comm CTAs whatever
 // the sweep's count, and the default at N is one more variant (fwd_alt_comm_ms): counts compared
@@ -91,7 +96,8 @@ struct Options {
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
-       push_all_store = false, stage_x = false, plain_dispatch = false;
+       push_all_store = false, stage_x = false, plain_dispatch = false, push_sum = false, push_all_sum = false,
+       ring_sum = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   bool counter_variant = false;  // --task-counter V given
@@ -137,6 +143,9 @@ Options parse(int argc, char** argv) {
     else if (k == "--push") o.push = std::stoi(v) != 0;
     else if (k == "--push-all") o.push_all = std::stoi(v) != 0;
     else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
+    else if (k == "--push-sum") o.push_sum = std::stoi(v) != 0;
+    else if (k == "--push-all-sum") o.push_all_sum = std::stoi(v) != 0;
+    else if (k == "--ring-sum") o.ring_sum = std::stoi(v) != 0;
     else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
     else if (k == "--alt-comm") o.alt_comm = std::stoi(v);
     else if (k == "--plain-dispatch") o.plain_dispatch = std::stoi(v) != 0;
@@ -300,6 +309,9 @@ struct RankResult {
   std::map<int, double> fused_alt_comm_ms;  // the default at --alt-comm N comm CTAs
   std::map<int, double> fused_stage_x_ms;  // x staged into the window at EP 1 too (--stage-x 1)
   std::map<int, double> fused_macrobatch_ms;  // a workspace with the macrobatch ring (--macrobatch ROWS)
+  std::map<int, double> fused_push_sum_ms;      // --push with the fused top-k sum (--push-sum 1)
+  std::map<int, double> fused_push_all_sum_ms;  // --push-all with the fused top-k sum (--push-all-sum 1)
+  std::map<int, double> fused_macrobatch_sum_ms;  // the ring with the fused top-k sum (--ring-sum 1)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
@@ -397,6 +409,25 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
       {o.macrobatch > 0, &res.fused_macrobatch_ms,
        [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.ring_comm_ctas = op.ring_ctas; }, "-macrobatch",
        true},
+      {o.push_sum, &res.fused_push_sum_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) {
+         fo.epilogue_push = 1;
+         fo.fused_topk_sum = true;
+       },
+       "-push-sum"},
+      {o.push_all_sum, &res.fused_push_all_sum_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) {
+         fo.epilogue_push = 1;
+         fo.own_rows_in_place = false;
+         fo.fused_topk_sum = true;
+       },
+       "-push-all-sum"},
+      {o.macrobatch > 0 && o.ring_sum, &res.fused_macrobatch_sum_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options& op) {
+         fo.ring_comm_ctas = op.ring_ctas;
+         fo.fused_topk_sum = true;
+       },
+       "-macrobatch-sum", true},
   };
   // The workspace a mode runs on, and one pass of it.
   auto ws_of = [&](const Mode* m) -> Workspace& { return m->ring ? *ring_ws : *ws; };
@@ -582,10 +613,15 @@ int main(int argc, char** argv) {
     const double best_alt_comm = variant(o.alt_comm > 0, "alt_comm", &RankResult::fused_alt_comm_ms);
     const double best_stage_x = variant(o.stage_x, "stage_x", &RankResult::fused_stage_x_ms);
     const double best_macrobatch = variant(o.macrobatch > 0, "macrobatch", &RankResult::fused_macrobatch_ms);
+    const double best_push_sum = variant(o.push_sum, "push_sum", &RankResult::fused_push_sum_ms);
+    const double best_push_all_sum = variant(o.push_all_sum, "push_all_sum", &RankResult::fused_push_all_sum_ms);
+    const bool ring_sum = o.macrobatch > 0 && o.ring_sum;
+    const double best_macrobatch_sum = variant(ring_sum, "macrobatch_sum", &RankResult::fused_macrobatch_sum_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch)
+        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch ||
+        o.push_sum || o.push_all_sum)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
     if (o.plain_dispatch) {
@@ -608,9 +644,21 @@ int main(int argc, char** argv) {
                   o.shapes[i].c_str(), static_cast<long long>(o.macrobatch), best_macrobatch,
                   res[i][0].routed_buffer_mb, res[i][0].macrobatch_buffer_mb, ps ? "yes" : "NO");
     }
+    if (ring_sum) {
+      std::printf("%-7s macrobatch ring with the top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), best_macrobatch_sum, ps ? "yes" : "NO");
+    }
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
                   best_fused_sum, ps ? "yes" : "NO");
+    }
+    if (o.push_sum) {
+      std::printf("%-7s GEMM 2's epilogues pushing + top-k sum inside: best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), best_push_sum, ps ? "yes" : "NO");
+    }
+    if (o.push_all_sum) {
+      std::printf("%-7s pushing every row + top-k sum inside: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  best_push_all_sum, ps ? "yes" : "NO");
     }
     if (o.token_major) {
       std::printf("%-7s token-major dispatch + GEMM 1 gathering its rows: best %.3f ms, same bits: %s\n",

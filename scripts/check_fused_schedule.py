@@ -11,7 +11,7 @@ random interleavings and fails if some state has unfinished work but nothing tha
                   feeder's, the producer's, the consumers') has room; the oldest runs once its
                   inputs exist, then finishes (and publishes) at some later step
   comm CTAs       dispatch their row tiles in increasing order (the first ring window over all of
-                  them, the rest over the first ring_ctas), each tile of the ring after the tile
+                  them, the rest over the last ring_ctas), each tile of the ring after the tile
                   that last used its slot finished GEMM 1; then they join the GEMM work
   inputs          S2(r) <- every S1(r); G1(t) <- its minibatch dispatched, and with the ring every
                   G2(t - ring_tiles); G2(t) <- every G1(t)
@@ -57,8 +57,8 @@ def simulate(p, rng):
     comm_seq = []
     for c in range(C):
         seq = list(range(c, window, C))
-        if ring_tiles and c < ring_ctas:
-            seq += list(range(ring_tiles + c, tiles, ring_ctas))
+        if ring_tiles and c >= C - ring_ctas:  # the last ring_ctas comm CTAs
+            seq += list(range(ring_tiles + c - (C - ring_ctas), tiles, ring_ctas))
         elif not ring_tiles:
             seq = list(range(c, tiles, C))
         comm_seq.append(seq)

@@ -96,7 +96,7 @@ struct DispatchRole {
   int64_t ring_tiles = 0;
   const uint32_t* ring_free = nullptr;
   uint32_t ring_free_target = 0;
-  // With the ring: the tiles past the first window go to the first ring_ctas CTAs only (the
+  // With the ring: the tiles past the first window go to the last ring_ctas CTAs only (the
   // others end their dispatch after the first window). 0: every CTA all pass.
   int ring_ctas = 0;
   // This rank's tokens are read here instead of the window's staging copy (nullptr: the window).

@@ -325,16 +325,20 @@ __device__ inline void dispatch_tile_range(const DispatchRole& r, const CtaGroup
 
 // Plain pull. Call after the phase barrier that follows the staging of x on every rank. Every
 // thread of the CTA (Shape::kWarps warps). With the macrobatch ring and ring_ctas, the tiles
-// past the first ring window go to the group's first ring_ctas CTAs only: those tiles wait for
-// their slots anyway, and the other CTAs are free to join the GEMM work (each CTA's tiles still
-// come in increasing order).
+// past the first ring window go to the group's last ring_ctas CTAs only: those tiles wait for
+// their slots anyway, and the other CTAs are free to join the GEMM work, or (the fused forward's
+// first comm CTAs) to combine or count while the pass runs (each CTA's tiles still come in
+// increasing order).
 template <class Shape, bool kAll>
 __device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) {
   const int64_t tiles = r.header->padded_rows / kRowTile;
   const bool narrow = r.ring_tiles > 0 && r.ring_ctas > 0 && r.ring_ctas < g.nctas && !g.split;
   if (!narrow) return dispatch_tile_range<Shape, kAll>(r, g, g.cta, tiles, g.nctas);
   dispatch_tile_range<Shape, kAll>(r, g, g.cta, min(tiles, r.ring_tiles), g.nctas);
-  if (g.cta < r.ring_ctas) dispatch_tile_range<Shape, kAll>(r, g, r.ring_tiles + g.cta, tiles, r.ring_ctas);
+  const int first_ring_cta = g.nctas - r.ring_ctas;
+  if (g.cta >= first_ring_cta) {
+    dispatch_tile_range<Shape, kAll>(r, g, r.ring_tiles + (g.cta - first_ring_cta), tiles, r.ring_ctas);
+  }
 }
 
 // ---- dedup dispatch: one read per (token, rank), fanned out to every row of the token ------
@@ -671,6 +675,38 @@ __device__ inline void combine_push_warps(const CombineRole& r, int cta, int nct
 
 __device__ inline void combine_push(const CombineRole& r, int cta, int nctas) {
   combine_push_warps<StandaloneWarps>(r, cta, nctas);
+}
+
+// The counts without the copies: when the rows were pushed by someone else (the fused forward's
+// GEMM 2 epilogues, which publish each tile on out_ready after its pushes), arrivals[token] still
+// needs +1 per pushed row for a reader that takes each token once its slots are complete
+// (count_arrivals' contract). Comm warp gw of all takes row tiles gw, gw + warps, ... in
+// increasing order: lane 0 acquires the tile's out_ready (GPU scope), the __syncwarp orders the
+// other lanes after it, then each lane adds 1 with a system-scope release for each pushed row
+// among rows lane, lane + 32, ... of the tile (own_rows_in_place: the rows of other ranks'
+// tokens; else every real row). The release is cumulative: the pushes, ordered before the
+// tile's release on out_ready, are visible to whoever acquires the count. A timed-out wait is
+// recorded and ends the counting (the readers then time out too; y is poisoned).
+template <class Shape>
+__device__ inline void count_pushed_rows(const CombineRole& r, int cta, int nctas) {
+  if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
+  const int64_t tiles = r.header->padded_rows / kRowTile;
+  const int lane = threadIdx.x % 32;
+  const int64_t nw = static_cast<int64_t>(nctas) * Shape::kWarps;
+  for (int64_t tile = static_cast<int64_t>(cta) * Shape::kWarps + threadIdx.x / 32; tile < tiles; tile += nw) {
+    bool ok = true;
+    if (lane == 0) ok = wait_geq<Scope::kGpu>(r.out_ready + tile, r.out_ready_target, WaitSite::kCombineSource, r.wait);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();  // NOTE: the other lanes' adds after lane 0's acquire
+    if (!ok) return;
+#pragma unroll
+    for (int q = 0; q < kRowTile / 32; ++q) {
+      const RowEntry e = r.rows[tile * kRowTile + 32 * q + lane];
+      if (e.src_rank >= 0 && (!r.own_rows_in_place || e.src_rank != r.peers.rank)) {
+        fetch_add_release<Scope::kSystem>(arrivals_word(r, e), 1u);
+      }
+    }
+  }
 }
 
 // ---- epilogue (docs/numerics.md, combine epilogue) -----------------------------------------

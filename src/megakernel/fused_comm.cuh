@@ -8,6 +8,8 @@
 //                        out to the token's rows), padding rows zeroed, ready[m] += 1 per tile
 //   combine_rows_push    each real row (own_rows_in_place: of another rank's token) -> slot (token, k)
 //                        of its source rank, once GEMM 2 published the tile
+//   count_pushed_rows    with GEMM 2's epilogues pushing (and the fused top-k sum): only the
+//                        per-token arrival counts of the pushed rows, once GEMM 2 published the tile
 #pragma once
 
 #include <cstdint>
@@ -79,6 +81,13 @@ __device__ inline void dispatch_rows_pull_helped(const comm::DispatchRole& r, in
 template <int Warps>
 __device__ inline void combine_rows_push(const comm::CombineRole& r, int cta, int nctas) {
   comm::combine_push_warps<FusedWarps<Warps>>(r, cta, nctas);
+}
+
+// With the combine pushed from GEMM 2's epilogue and the fused top-k sum: the pushed rows'
+// arrivals counted per token once their tiles are published (comm::count_pushed_rows).
+template <int Warps>
+__device__ inline void count_pushed_rows(const comm::CombineRole& r, int cta, int nctas) {
+  comm::count_pushed_rows<FusedWarps<Warps>>(r, cta, nctas);
 }
 
 // With the combine pushed from GEMM 2's epilogue (fused_push.cuh): thread 0 acquires every

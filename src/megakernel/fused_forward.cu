@@ -22,9 +22,10 @@ namespace {
 // ---- kernel ---------------------------------------------------------------------------------
 
 // Communication CTAs: dispatch (after the "x staged everywhere" barrier); then either combine
-// (each row tile once GEMM 2 published it) and the barrier after which every rank's slots hold
-// every row, or (the last comm_ctas - combine_ctas of them) return true: the CTA then takes
-// GEMM tasks like a GEMM CTA. A failed barrier (timeout, recorded) skips the role; waiters give
+// (each row tile once GEMM 2 published it; with GEMM 2's epilogues pushing: wait for every tile,
+// or with the fused sum count each pushed row per token) and the barrier after which every
+// rank's slots hold every row (with the fused sum: sum tokens instead), or (the last
+// comm_ctas - combine_ctas of them) return true: the CTA then takes GEMM tasks like a GEMM CTA. A failed barrier (timeout, recorded) skips the role; waiters give
 // up at once.
 __device__ bool comm_cta(const FusedForwardParams& p, int cta) {
   const uint32_t n = static_cast<uint32_t>(p.comm_ctas);
@@ -41,7 +42,10 @@ __device__ bool comm_cta(const FusedForwardParams& p, int cta) {
   MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   if (cta >= p.combine_ctas) return true;
   const uint32_t nc = static_cast<uint32_t>(p.combine_ctas);
-  if (p.push.on) {
+  if (p.push.on && p.topk.on) {
+    // GEMM 2's epilogues pushed the rows; the fused sum takes each token once they are counted.
+    count_pushed_rows<FusedCta::kWarps>(p.combine, cta, static_cast<int>(nc));
+  } else if (p.push.on) {
     wait_routed_tiles_final(p.combine);  // GEMM 2's epilogues pushed the rows (fused_push.cuh)
   } else {
     combine_rows_push<FusedCta::kWarps>(p.combine, cta, static_cast<int>(nc));
@@ -190,20 +194,18 @@ bool resolve_epilogue_push(const FusedForwardOptions& o) {
     throw_invalid("FusedForwardOptions.epilogue_push", "-1 (automatic), 0 (off) or 1 (on)",
                   std::to_string(o.epilogue_push));
   }
-  if (o.epilogue_push == 1 && o.fused_topk_sum) {
-    throw_invalid("FusedForwardOptions.epilogue_push",
-                  "0 or -1 with fused_topk_sum (the fused sum counts the comm CTAs' pushed rows per token)", "1");
-  }
   return o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
 }
 
 // Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
 // The combine has rows to move unless every row is the own rank's and read in place, or GEMM 2's
 // epilogues push them; otherwise at least one comm CTA must stay to combine. With the epilogue
-// push at EP >= 2 one stays to wait for every routed tile and open the barrier of all ranks.
+// push at EP >= 2 one stays to wait for every routed tile and open the barrier of all ranks, or,
+// with the fused top-k sum, to count the pushed rows per token (comm::count_pushed_rows; at EP 1
+// too when the own rows are pushed).
 int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
   const bool push = resolve_epilogue_push(o);
-  const bool combine_idle = s.ep == 1 && (o.own_rows_in_place || push);
+  const bool combine_idle = s.ep == 1 && (o.own_rows_in_place || (push && !o.fused_topk_sum));
   const int most = combine_idle ? o.comm_ctas : o.comm_ctas - 1;
   if (o.task_counter < -1 || o.task_counter > 1) {
     throw_invalid("FusedForwardOptions.task_counter", "-1 (automatic), 0 (round-robin) or 1 (counter)",
@@ -222,7 +224,7 @@ int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
     throw_invalid("FusedForwardOptions.join_gemm",
                   "-1 (automatic), 0 (none) or up to " + std::to_string(most) + " of the " +
                       std::to_string(o.comm_ctas) + " comm CTAs" +
-                      (combine_idle ? std::string() : std::string(" (at least one must combine)")),
+                      (combine_idle ? std::string() : std::string(" (at least one must combine or count the pushed rows)")),
                   std::to_string(o.join_gemm));
   }
   if (o.join_gemm >= 0) return o.join_gemm;
@@ -264,7 +266,7 @@ gemm::Gemm2Params gemm2_params_for(const bf16* h, int64_t h_rows, const bf16* do
 // buffer, Config::macrobatch) fixes the copy modes that keep a row tile's bytes in its slot
 // only while the slot is its own: the plain pull (the fan-out stores a token's rows of later
 // minibatches with its first one), no help from the GEMM CTAs (they fan out), and GEMM 2's
-// epilogue pushing every row into its slot (the epilogue kernel reads no row in place, and
+// epilogue pushing every row into its slot (the top-k sum reads no row in place, and
 // expert_out is not written). Options that cannot go with it are refused, naming them.
 FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuffers& b, FusedForwardOptions o) {
   if (b.resident_rows != state.row_buffer_rows()) {
@@ -280,7 +282,6 @@ FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuff
   const std::string ring = "with the macrobatch ring (Config.macrobatch = " +
                            std::to_string(state.config().macrobatch) + " rows)";
   if (o.token_major) throw_invalid("FusedForwardOptions.token_major", "false " + ring, "true");
-  if (o.fused_topk_sum) throw_invalid("FusedForwardOptions.fused_topk_sum", "false " + ring, "true");
   if (o.epilogue_push == 0) throw_invalid("FusedForwardOptions.epilogue_push", "-1 or 1 " + ring, "0");
   o.dedup = false;
   o.help_rows = 0;

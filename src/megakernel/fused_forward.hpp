@@ -68,7 +68,8 @@ struct FusedForwardOptions {
   // copy its rows of other ranks' tokens (and, with own_rows_in_place off, the own rank's) from
   // the staging buffer into their slots, so the comm CTAs have no combine and (join_gemm
   // automatic) all but one take GEMM tasks after their dispatch share at EP >= 2. Same bits.
-  // -1 (default): automatic (off until measured at EP >= 2); 0 off; 1 on. Not with fused_topk_sum.
+  // -1 (default): automatic (off until measured at EP >= 2); 0 off; 1 on. With fused_topk_sum
+  // the comm CTA that stays counts the pushed rows per token (comm::count_pushed_rows).
   // With own_rows_in_place off every row is pushed and expert_out is not written: the slots
   // hold every (t, k) row of the saved context (as after the all-slots combine).
   int epilogue_push = -1;
@@ -76,7 +77,8 @@ struct FusedForwardOptions {
   // A/B of the write the push replaces; bench_forward --push-all-store).
   bool push_keeps_expert_out = false;
   // With the macrobatch ring: comm CTAs that keep dispatching past the first ring window (the
-  // others join the GEMM work after it; DispatchRole::ring_ctas). -1 (default): automatic
+  // last ones; the others join the GEMM work, or the first combines, after it;
+  // DispatchRole::ring_ctas). -1 (default): automatic
   // (resolve_ring, fused_forward.cu: enough for GEMM 1's pace, dsv3 5, gptoss 4, qwen3 14);
   // 0: all of them; N: min(N, comm_ctas).
   int ring_comm_ctas = -1;

@@ -311,10 +311,14 @@ struct PassBits {
 //   kPushAll     fused only: the same with the own rows pushed too (own rows not read in place): at EP 1
 //                every row goes through the push, and expert_out is not written (the slots are the
 //                saved context)
+//   kPushSum     fused only: kPush with the fused top-k sum (a comm CTA counts the pushed rows per token)
+//   kPushAllSum  fused only: kPushAll with the fused top-k sum (at EP 1 too, every row is counted)
 //   kRingOne     with the macrobatch ring: one comm CTA dispatches past the first ring window
 //                (FusedForwardOptions::ring_comm_ctas = 1; the others join after it)
+//   kRingSum     with the macrobatch ring: the fused top-k sum (every row pushed and counted)
 enum class CopyModes {
-  kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll, kRingOne
+  kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll, kPushSum,
+  kPushAllSum, kRingOne, kRingSum
 };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
@@ -326,11 +330,13 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     auto ws = Workspace::create(s, cfg, r.comm, r.device);
     ws->impl().forward_path = path;
     ws->impl().dispatch_dedup = modes != CopyModes::kPlain;
-    ws->impl().combine_in_place = modes != CopyModes::kPlain && modes != CopyModes::kPushAll;
-    if (modes == CopyModes::kPush || modes == CopyModes::kPushAll) ws->impl().epilogue_push = 1;
+    const bool push_all = modes == CopyModes::kPushAll || modes == CopyModes::kPushAllSum;
+    ws->impl().combine_in_place = modes != CopyModes::kPlain && !push_all;
+    if (push_all || modes == CopyModes::kPush || modes == CopyModes::kPushSum) ws->impl().epilogue_push = 1;
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
     if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
-    ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum;
+    ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum || modes == CopyModes::kPushSum ||
+                                modes == CopyModes::kPushAllSum || modes == CopyModes::kRingSum;
     if (modes == CopyModes::kNoJoin) ws->impl().join_gemm = 0;
     if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
     if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = cfg.effective_comm_sms_forward(s) - 1;
@@ -392,7 +398,14 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_round_robin = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kRoundRobin);
   const auto fused_push = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPush);
   const auto fused_push_all = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAll);
+  const auto fused_push_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushSum);
+  const auto fused_push_all_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAllSum);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_push_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, push + fused sum";
+    EXPECT_TRUE(same_bits(fused_push_all_sum[r].y, fused[r].y))
+        << c.name << " rank " << r << ": y, push of every row + fused sum";
+    EXPECT_TRUE(same_bits(fused_push_all_sum[r].slots, fused_plain[r].slots))
+        << c.name << " rank " << r << ": slots, push of every row + fused sum vs the all-slots combine";
     EXPECT_TRUE(same_bits(fused_push[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM 2 epilogue push";
     EXPECT_TRUE(same_bits(fused_push_all[r].y, fused[r].y))
         << c.name << " rank " << r << ": y, GEMM 2 epilogue push of every row";
@@ -464,12 +477,16 @@ TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
     const auto ring = run_path(p, ring_cfg, megakernel::ForwardPath::kFused);
     // One comm CTA past the first window (the others join): the same bits.
     const auto ring_one = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingOne);
+    // The fused top-k sum on the ring (every row pushed, counted per token by a comm CTA).
+    const auto ring_sum = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingSum);
     for (int r = 0; r < ep; ++r) {
       const std::string what = std::string(c.name) + " rank " + std::to_string(r) + ", ring of " +
                                std::to_string(slots) + " row tiles";
       EXPECT_TRUE(same_bits(ring[r].y, full[r].y)) << what << ": y";
       EXPECT_TRUE(same_bits(ring_one[r].y, full[r].y)) << what << ": y, one comm CTA past the first window";
       EXPECT_TRUE(same_bits(ring_one[r].g, ring[r].g)) << what << ": saved g, one comm CTA past the first window";
+      EXPECT_TRUE(same_bits(ring_sum[r].y, full[r].y)) << what << ": y, fused top-k sum";
+      EXPECT_TRUE(same_bits(ring_sum[r].g, ring[r].g)) << what << ": saved g, fused top-k sum";
       EXPECT_TRUE(same_bits(ring[r].shared_g, full[r].shared_g)) << what << ": shared g";
       ASSERT_EQ(ring[r].g.size(), size_t(slots) * tile) << what << ": the ring's g holds its slots only";
       const int64_t tiles = full[r].padded_rows / kRowTile;
@@ -558,8 +575,8 @@ TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
   });
 }
 
-// epilogue_push outside -1..1, or on together with the fused top-k sum (which counts the comm
-// CTAs' pushed rows per token), is refused before anything runs, naming the option.
+// epilogue_push outside -1..1 is refused before anything runs, naming the option; with the
+// fused top-k sum and the own rows pushed, one comm CTA must stay to count them.
 TEST(FusedForward, RefusesBadEpiloguePushOptions) {
   MOK_REQUIRE_GPUS(1);
   const LayerShape s{256, 128, 128, 64, 8, 2, 1};
@@ -577,13 +594,15 @@ TEST(FusedForward, RefusesBadEpiloguePushOptions) {
     }
     ws->impl().epilogue_push = 1;
     ws->impl().fused_topk_sum = true;
-    expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push with fused_topk_sum");
+    ws->impl().combine_in_place = false;
+    ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
+    expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
     ws->check();
   });
 }
 
 // With the macrobatch ring the options that need every row resident are refused, naming
-// them: the staged path, the token-major gather, the fused top-k sum, the push switched off.
+// them: the staged path, the token-major gather, the push switched off.
 TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
   MOK_REQUIRE_GPUS(1);
   MOK_REQUIRE_FUSED_WORKSPACE();
@@ -605,9 +624,6 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
     ws->impl().dispatch_token_major = true;
     expect_forward_refused(*ws, d, ew, "token_major", "token_major on a ring");
     ws->impl().dispatch_token_major = false;
-    ws->impl().fused_topk_sum = true;
-    expect_forward_refused(*ws, d, ew, "fused_topk_sum", "fused_topk_sum on a ring");
-    ws->impl().fused_topk_sum = false;
     ws->impl().epilogue_push = 0;
     expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push 0 on a ring");
     ws->impl().epilogue_push = -1;
