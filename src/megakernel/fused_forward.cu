@@ -25,8 +25,8 @@ namespace {
 // (each row tile once GEMM 2 published it; with GEMM 2's epilogues pushing: wait for every tile,
 // or with the fused sum count each pushed row per token) and the barrier after which every
 // rank's slots hold every row (with the fused sum: sum tokens instead), or (the last
-// comm_ctas - combine_ctas of them) return true: the CTA then takes GEMM tasks like a GEMM CTA. A failed barrier (timeout, recorded) skips the role; waiters give
-// up at once.
+// comm_ctas - combine_ctas of them) return true: the CTA then takes GEMM tasks like a GEMM
+// CTA. A failed barrier (timeout, recorded) skips the role; waiters give up at once.
 __device__ bool comm_cta(const FusedForwardParams& p, int cta) {
   const uint32_t n = static_cast<uint32_t>(p.comm_ctas);
   MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommStart);)
