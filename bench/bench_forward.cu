@@ -18,7 +18,7 @@
 //                 [--minibatch rows (0 = automatic)]
 //                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--push-sum 0|1] [--push-all-sum 0|1]
+//                 [--push-sum 0|1] [--push-all-sum 0|1] [--sum-ctas S]
 //                 [--macrobatch ROWS] [--ring-ctas N] [--ring-sum 0|1] [--stage-x 0|1] [--alt-comm N]
 //                 [--plain-dispatch 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
@@ -43,7 +43,9 @@
 // TMA-stored into expert_out as well (FusedForwardOptions::push_keeps_expert_out, the A/B of the
 // write the push replaces; fwd_push_all_store_ms). --push-sum 1 / --push-all-sum 1: --push / --push-all
 // with the top-k sum inside the fused kernel too (a comm CTA counts the pushed rows per token;
-// fwd_push_sum_ms, fwd_push_all_sum_ms). --macrobatch ROWS: the same layer on a second
+// fwd_push_sum_ms, fwd_push_all_sum_ms). --sum-ctas S: the top-k sum inside the fused kernel with all
+// but S comm CTAs joining the GEMM work (the S sum tokens while the pass runs; fwd_sum_ctas_ms).
+// --macrobatch ROWS: the same layer on a second
 // workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
 // bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb); --ring-ctas N sets its
@@ -100,6 +102,7 @@ struct Options {
        ring_sum = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
+  int sum_ctas = 0;  // --sum-ctas S (> 0): the fused sum with all but S comm CTAs joining
   bool counter_variant = false;  // --task-counter V given
   int task_counter = -1;
   bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
@@ -146,6 +149,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--push-sum") o.push_sum = std::stoi(v) != 0;
     else if (k == "--push-all-sum") o.push_all_sum = std::stoi(v) != 0;
     else if (k == "--ring-sum") o.ring_sum = std::stoi(v) != 0;
+    else if (k == "--sum-ctas") o.sum_ctas = std::stoi(v);
     else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
     else if (k == "--alt-comm") o.alt_comm = std::stoi(v);
     else if (k == "--plain-dispatch") o.plain_dispatch = std::stoi(v) != 0;
@@ -312,6 +316,7 @@ struct RankResult {
   std::map<int, double> fused_push_sum_ms;      // --push with the fused top-k sum (--push-sum 1)
   std::map<int, double> fused_push_all_sum_ms;  // --push-all with the fused top-k sum (--push-all-sum 1)
   std::map<int, double> fused_macrobatch_sum_ms;  // the ring with the fused top-k sum (--ring-sum 1)
+  std::map<int, double> fused_sum_ctas_ms;        // the fused sum, S comm CTAs not joining (--sum-ctas S)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
@@ -422,6 +427,12 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.fused_topk_sum = true;
        },
        "-push-all-sum"},
+      {o.sum_ctas > 0, &res.fused_sum_ctas_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options& op) {
+         fo.fused_topk_sum = true;
+         fo.join_gemm = std::max(0, fo.comm_ctas - op.sum_ctas);
+       },
+       "-sum-ctas"},
       {o.macrobatch > 0 && o.ring_sum, &res.fused_macrobatch_sum_ms,
        [](megakernel::FusedForwardOptions& fo, const Options& op) {
          fo.ring_comm_ctas = op.ring_ctas;
@@ -616,12 +627,13 @@ int main(int argc, char** argv) {
     const double best_push_sum = variant(o.push_sum, "push_sum", &RankResult::fused_push_sum_ms);
     const double best_push_all_sum = variant(o.push_all_sum, "push_all_sum", &RankResult::fused_push_all_sum_ms);
     const bool ring_sum = o.macrobatch > 0 && o.ring_sum;
+    const double best_sum_ctas = variant(o.sum_ctas > 0, "sum_ctas", &RankResult::fused_sum_ctas_ms);
     const double best_macrobatch_sum = variant(ring_sum, "macrobatch_sum", &RankResult::fused_macrobatch_sum_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
         o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch ||
-        o.push_sum || o.push_all_sum)
+        o.push_sum || o.push_all_sum || o.sum_ctas > 0)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
     if (o.plain_dispatch) {
@@ -651,6 +663,11 @@ int main(int argc, char** argv) {
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
                   best_fused_sum, ps ? "yes" : "NO");
+    }
+    if (o.sum_ctas > 0) {
+      sweep << ", \"sum_ctas\": " << o.sum_ctas;
+      std::printf("%-7s top-k sum inside, %d comm CTAs not joining: best %.3f ms, same bits: %s\n",
+                  o.shapes[i].c_str(), o.sum_ctas, best_sum_ctas, ps ? "yes" : "NO");
     }
     if (o.push_sum) {
       std::printf("%-7s GEMM 2's epilogues pushing + top-k sum inside: best %.3f ms, same bits: %s\n",
