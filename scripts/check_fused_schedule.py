@@ -12,7 +12,10 @@ random interleavings and fails if some state has unfinished work but nothing tha
                   inputs exist, then finishes (and publishes) at some later step
   comm CTAs       dispatch their row tiles in increasing order (the first ring window over all of
                   them, the rest over the last ring_ctas), each tile of the ring after the tile
-                  that last used its slot finished GEMM 1; then they join the GEMM work
+                  that last used its slot finished GEMM 1; then they join the GEMM work, except,
+                  in some layers, comm CTA 0, which counts the pushed rows (the epilogue push with
+                  the fused top-k sum): it waits for every routed tile's GEMM 2 in order and
+                  never joins
   inputs          S2(r) <- every S1(r); G1(t) <- its minibatch dispatched, and with the ring every
                   G2(t - ring_tiles); G2(t) <- every G1(t)
 
@@ -63,6 +66,8 @@ def simulate(p, rng):
             seq = list(range(c, tiles, C))
         comm_seq.append(seq)
     comm_pos = [0] * C
+    counting = bool(p.get("count"))  # comm CTA 0 counts the pushed rows (G2 tiles in order), never joins
+    count_pos = 0
     ctas = [[] for _ in range(p["gemm"])]  # each: FIFO of [task, running]
     next_task = 0
 
@@ -89,7 +94,10 @@ def simulate(p, rng):
                 t = comm_seq[c][comm_pos[c]]
                 if not ring_tiles or t < ring_tiles or complete("G1", t - ring_tiles):
                     moves.append(("dispatch", c))
-            elif comm_pos[c] == len(comm_seq[c]):
+            elif c == 0 and counting and count_pos < tiles:
+                if complete("G2", count_pos):
+                    moves.append(("count", c))
+            elif comm_pos[c] == len(comm_seq[c]) and not (c == 0 and counting):
                 moves.append(("join", c))
         for i, fifo in enumerate(ctas):
             if len(fifo) < DEPTH and next_task < len(tasks):
@@ -102,11 +110,14 @@ def simulate(p, rng):
                     moves.append(("start", i))
         if not moves:
             return next_task == len(tasks) and all(not f for f in ctas) and all(
-                comm_pos[c] > len(comm_seq[c]) for c in range(C))
+                comm_pos[c] > len(comm_seq[c]) or (c == 0 and counting) for c in range(C)) and (
+                not counting or count_pos == tiles)
         what, i = rng.choice(moves)
         if what == "dispatch":
             dispatched.add(comm_seq[i][comm_pos[i]])
             comm_pos[i] += 1
+        elif what == "count":
+            count_pos += 1
         elif what == "join":
             comm_pos[i] += 1
             ctas.append([])
@@ -126,7 +137,7 @@ def random_layer(rng, ring_mb_choices):
         "tiles": rng.randint(1, 14), "tpm": tpm, "ring_mb": rng.choice(ring_mb_choices),
         "shared": rng.choice([0, 0, 1, 2]), "sn1": rng.randint(1, 2), "n1": rng.randint(1, 3),
         "n2": rng.randint(1, 3), "gemm": rng.randint(1, 4), "comm": rng.randint(1, 4),
-        "ring_ctas": rng.randint(0, 3),
+        "ring_ctas": rng.randint(0, 3), "count": rng.randint(0, 1),
     }
 
 
