@@ -98,6 +98,8 @@ class Workspace {
 
   struct Impl;
   Impl& impl() { return *impl_; }
+  // Internal (src/host): wraps a fully built Impl (the simulated-ranks factory uses it).
+  static std::unique_ptr<Workspace> adopt(std::unique_ptr<Impl> impl);
 
  private:
   explicit Workspace(std::unique_ptr<Impl> impl);

@@ -10,8 +10,20 @@
 namespace mok::comm {
 
 CommState::CommState(const LayerShape& shape, const Config& config, ncclComm_t comm, int64_t row_buffer_rows)
-    : shape_(shape), config_(config), comm_(comm), layout_(SymmetricLayout::make(shape)) {
-  window_ = std::make_unique<SymmetricWindow>(comm, layout_.total);
+    : CommState(shape, config, std::make_unique<SymmetricWindow>(comm, window_bytes(shape)), row_buffer_rows) {
+  comm_ = comm;
+}
+
+CommState::CommState(const LayerShape& shape, const Config& config, std::unique_ptr<SymmetricWindow> window,
+                     int64_t row_buffer_rows)
+    : shape_(shape), config_(config), layout_(SymmetricLayout::make(shape)), window_(std::move(window)) {
+  if (window_ == nullptr || window_->bytes() < layout_.total || window_->peers().ep != shape.ep) {
+    throw_invalid("CommState window", "a symmetric window of >= " + std::to_string(layout_.total) + " bytes over " +
+                                          std::to_string(shape.ep) + " ranks",
+                  window_ == nullptr ? std::string("nullptr")
+                                     : std::to_string(window_->bytes()) + " bytes over " +
+                                           std::to_string(window_->peers().ep) + " ranks");
+  }
   schedule_ = std::make_unique<ScheduleBuffers>(shape, config);
   row_buffer_rows_ = row_buffer_rows > 0 ? std::min(row_buffer_rows, schedule_->buffer_rows) : schedule_->buffer_rows;
   if (row_buffer_rows_ < schedule_->buffer_rows && row_buffer_rows_ % schedule_->minibatch != 0) {
@@ -174,13 +186,16 @@ std::optional<Error> CommState::take_error(cudaStream_t stream) {
                                          " (" + cudaGetErrorString(e) + ")");
   }
   DeviceErrorRecord rec{};
-  MOK_CUDA_CHECK(cudaMemcpy(&rec, error_.get(), sizeof(rec), cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaMemcpyAsync(&rec, error_.get(), sizeof(rec), cudaMemcpyDeviceToHost, stream));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::optional<Error> err = describe_device_error(rec, shape_, rank());
   if (err) {
     const DeviceErrorRecord clean = clean_error_record();
-    MOK_CUDA_CHECK(cudaMemcpy(error_.get(), &clean, sizeof(clean), cudaMemcpyHostToDevice));
+    MOK_CUDA_CHECK(cudaMemcpyAsync(error_.get(), &clean, sizeof(clean), cudaMemcpyHostToDevice, stream));
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));  // `clean` is a stack value
     return err;
   }
+  if (comm_ == nullptr) return std::nullopt;  // simulated ranks: no communicator
   ncclResult_t async = ncclSuccess;
   MOK_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
   if (async != ncclSuccess) {

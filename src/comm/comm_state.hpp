@@ -34,6 +34,11 @@ class CommState {
   // multiple of the minibatch, Config::resident_routed_rows) make it the fused forward's
   // macrobatch ring, which the standalone dispatch refuses.
   CommState(const LayerShape& shape, const Config& config, ncclComm_t comm, int64_t row_buffer_rows = 0);
+  // Over an existing window of window_bytes(shape) bytes (simulated ranks: no communicator, so
+  // take_error has no NCCL async error to read).
+  CommState(const LayerShape& shape, const Config& config, std::unique_ptr<SymmetricWindow> window,
+            int64_t row_buffer_rows = 0);
+  static size_t window_bytes(const LayerShape& shape) { return SymmetricLayout::make(shape).total; }
   ~CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
@@ -63,7 +68,8 @@ class CommState {
   // (the own rank's (t, k) rows are read there), nullptr when combine filled every slot.
   void epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
                 __nv_bfloat16* y, cudaStream_t stream);
-  // Synchronises `stream`, returns (and clears) the first device-side error.
+  // Synchronises `stream`, returns (and clears) the first device-side error. Stream-ordered
+  // (no legacy-default-stream copies), so it works with non-blocking streams.
   std::optional<Error> take_error(cudaStream_t stream);
 
   // ---- accessors ----
@@ -102,7 +108,7 @@ class CommState {
  private:
   LayerShape shape_;
   Config config_;
-  ncclComm_t comm_;
+  ncclComm_t comm_ = nullptr;  // null for simulated ranks
   SymmetricLayout layout_;
   std::unique_ptr<SymmetricWindow> window_;
   std::unique_ptr<ScheduleBuffers> schedule_;

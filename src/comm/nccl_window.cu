@@ -6,6 +6,7 @@
 
 #include "comm/cuda_check.hpp"
 #include "comm/device_buffer.hpp"
+#include "comm/simulated_group.hpp"
 
 namespace mok::comm {
 namespace {
@@ -95,9 +96,33 @@ SymmetricWindow::SymmetricWindow(ncclComm_t comm, size_t bytes) : comm_(comm), b
   }
 }
 
+SymmetricWindow::SymmetricWindow(SimulatedGroup& group, int rank, size_t bytes) : simulated_(true), bytes_(bytes) {
+  int device = -1;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != group.device()) {
+    throw_invalid("current CUDA device", "the simulated group's device " + std::to_string(group.device()),
+                  std::to_string(device));
+  }
+  MOK_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&local_), bytes));
+  try {
+    MOK_CUDA_CHECK(cudaMemset(local_, 0, bytes));  // flags start at epoch 0, as with NCCL
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (...) {
+    cudaFree(local_);
+    throw;
+  }
+  // A rank that fails above never arrives here; its peers time out in the exchange with a clear
+  // error instead of reading a missing base.
+  peers_ = group.exchange(rank, local_);
+}
+
 SymmetricWindow::~SymmetricWindow() {
   // Errors cannot be thrown from here; the communicator's owner sees NCCL's async error.
   cudaDeviceSynchronize();
+  if (simulated_) {
+    cudaFree(local_);
+    return;
+  }
   if (dev_comm_) ncclDevCommDestroy(comm_, &dev_comm_->comm);
   if (window_ != nullptr) ncclCommWindowDeregister(comm_, window_);
   if (local_ != nullptr) ncclMemFree(local_);

@@ -14,6 +14,8 @@
 
 namespace mok::comm {
 
+class SimulatedGroup;
+
 // Throws Error(kNcclError) unless the loaded libnccl is exactly the version of the headers
 // mok was compiled with (ncclDevComm and window layouts come from those headers), and is
 // at least 2.28 (the device API).
@@ -26,7 +28,10 @@ class SymmetricWindow {
   // Collective over `comm`: every rank passes the same `bytes`. The current CUDA device must
   // be the communicator's device.
   SymmetricWindow(ncclComm_t comm, size_t bytes);
-  ~SymmetricWindow();  // collective teardown in reverse order
+  // Simulated ranks (comm/simulated_group.hpp): a plain cudaMalloc buffer on the group's device,
+  // peer bases exchanged through the group. Collective over the group.
+  SymmetricWindow(SimulatedGroup& group, int rank, size_t bytes);
+  ~SymmetricWindow();  // collective teardown in reverse order (simulated: the caller's group barrier came first)
   SymmetricWindow(const SymmetricWindow&) = delete;
   SymmetricWindow& operator=(const SymmetricWindow&) = delete;
 
@@ -37,6 +42,7 @@ class SymmetricWindow {
  private:
   struct DevComm;
   ncclComm_t comm_ = nullptr;
+  bool simulated_ = false;
   char* local_ = nullptr;
   size_t bytes_ = 0;
   ncclWindow_t window_ = nullptr;

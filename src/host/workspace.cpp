@@ -1,7 +1,10 @@
 // mok::Workspace and mok::schedule on the NCCL device API (DESIGN §2 step 1, §5).
 #include <string>
 
+#include <cstdio>
+
 #include "comm/cuda_check.hpp"
+#include "host/simulated_ranks.hpp"
 #include "host/workspace_impl.hpp"
 
 namespace mok {
@@ -33,13 +36,52 @@ void check_communicator(const LayerShape& shape, ncclComm* comm, int device) {
   }
 }
 
+// The state every workspace gets after its CommState: the forward's buffers, then a device
+// sync (the constructors' legacy-stream memsets must be done before the caller's first launch
+// on a non-blocking stream).
+void finish_impl(Workspace::Impl& impl, int64_t resident) {
+  impl.forward = std::make_unique<megakernel::ForwardBuffers>(impl.shape, impl.config,
+                                                              impl.state->view().buffer_rows, resident);
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+std::unique_ptr<Workspace::Impl> new_impl(const LayerShape& shape, const Config& config, int device) {
+  auto impl = std::make_unique<Workspace::Impl>();
+  impl->shape = shape;
+  impl->config = config;
+  impl->device = device;
+  impl->forward_path = megakernel::forward_path_from_env();
+  return impl;
+}
+
+// The macrobatch ring is the fused forward's; the staged path (a developer path) keeps every row.
+int64_t resident_rows(const Workspace::Impl& impl) {
+  return impl.forward_path == megakernel::ForwardPath::kFused ? impl.config.resident_routed_rows(impl.shape) : 0;
+}
+
 }  // namespace
 
 Workspace::Workspace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+std::unique_ptr<Workspace> Workspace::adopt(std::unique_ptr<Impl> impl) {
+  if (impl == nullptr || impl->state == nullptr || impl->forward == nullptr) {
+    throw_invalid("Workspace::adopt impl", "a fully built Workspace::Impl", "an incomplete one");
+  }
+  return std::unique_ptr<Workspace>(new Workspace(std::move(impl)));
+}
+
 Workspace::~Workspace() {
   if (impl_ && impl_->state) {
     DeviceGuard guard(impl_->device);
+    if (impl_->simulated != nullptr) {
+      // Collective teardown: every rank has issued its last launch before anyone frees memory
+      // (the frees sync the whole device, which the other ranks' kernels share).
+      try {
+        impl_->simulated->barrier(impl_->simulated_rank, "workspace destruction");
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "mok: %s (tearing down anyway)\n", e.what());
+      }
+    }
     impl_->forward.reset();
     impl_->state.reset();
   }
@@ -50,20 +92,41 @@ std::unique_ptr<Workspace> Workspace::create(const LayerShape& shape, const Conf
   config.validate(shape);
   check_communicator(shape, comm, device);
   DeviceGuard guard(device);
-  auto impl = std::make_unique<Impl>();
-  impl->shape = shape;
-  impl->config = config;
-  impl->device = device;
+  auto impl = new_impl(shape, config, device);
   impl->comm = comm;
-  impl->forward_path = megakernel::forward_path_from_env();
-  // The macrobatch ring is the fused forward's; the staged path (a developer path) keeps every row.
-  const int64_t resident =
-      impl->forward_path == megakernel::ForwardPath::kFused ? config.resident_routed_rows(shape) : 0;
+  const int64_t resident = resident_rows(*impl);
   impl->state = std::make_unique<comm::CommState>(shape, config, comm, resident);
-  impl->forward =
-      std::make_unique<megakernel::ForwardBuffers>(shape, config, impl->state->view().buffer_rows, resident);
+  finish_impl(*impl, resident);
   return std::unique_ptr<Workspace>(new Workspace(std::move(impl)));
 }
+
+namespace host {
+
+std::unique_ptr<Workspace> create_simulated_workspace(const LayerShape& shape, const Config& config,
+                                                      comm::SimulatedGroup& group, int rank) {
+  config.validate(shape);
+  if (group.ep() != shape.ep) {
+    throw_invalid("group", "a simulated group of LayerShape.ep = " + std::to_string(shape.ep) + " ranks",
+                  std::to_string(group.ep()) + " ranks");
+  }
+  if (rank < 0 || rank >= group.ep()) {
+    throw_invalid("rank", "0.." + std::to_string(group.ep() - 1), std::to_string(rank));
+  }
+  DeviceGuard guard(group.device());
+  auto impl = new_impl(shape, config, group.device());
+  impl->simulated = &group;
+  impl->simulated_rank = rank;
+  const int64_t resident = resident_rows(*impl);
+  auto window = std::make_unique<comm::SymmetricWindow>(group, rank, comm::CommState::window_bytes(shape));
+  impl->state = std::make_unique<comm::CommState>(shape, config, std::move(window), resident);
+  finish_impl(*impl, resident);
+  // Last: no rank launches a kernel that waits on its peers while another is still inside a
+  // device-wide sync above (that sync would wait for the spinning kernel: a deadlock).
+  group.barrier(rank, "workspace creation");
+  return Workspace::adopt(std::move(impl));
+}
+
+}  // namespace host
 
 const LayerShape& Workspace::shape() const { return impl_->shape; }
 const Config& Workspace::config() const { return impl_->config; }

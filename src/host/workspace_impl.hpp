@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "comm/comm_state.hpp"
+#include "comm/simulated_group.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
@@ -51,6 +52,10 @@ struct Workspace::Impl {
   // (FusedForwardOptions::ring_comm_ctas; -1 automatic, 0 all). Same bits.
   int ring_comm_ctas = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
+  // Simulated ranks (host/simulated_ranks.hpp): the group this rank belongs to (it outlives the
+  // workspace) and the rank in it; null with an NCCL communicator.
+  comm::SimulatedGroup* simulated = nullptr;
+  int simulated_rank = -1;
 };
 
 // Makes `device` current for the scope (API calls may come from any thread/device).

@@ -147,11 +147,13 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
 }
 
 void check_gemm_errors(ForwardBuffers& b, cudaStream_t stream) {
-  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Stream-ordered (no legacy-default-stream copies): correct on non-blocking streams too.
   uint32_t bits = 0;
-  MOK_CUDA_CHECK(cudaMemcpy(&bits, b.gemm_error.get(), sizeof(bits), cudaMemcpyDeviceToHost));
+  MOK_CUDA_CHECK(cudaMemcpyAsync(&bits, b.gemm_error.get(), sizeof(bits), cudaMemcpyDeviceToHost, stream));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (bits != 0) {
-    MOK_CUDA_CHECK(cudaMemset(b.gemm_error.get(), 0, sizeof(bits)));
+    MOK_CUDA_CHECK(cudaMemsetAsync(b.gemm_error.get(), 0, sizeof(bits), stream));
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     throw Error(Status::kTimeout, "grouped GEMM reported error bits 0x" + std::to_string(bits) +
                                       " (an in-kernel pipeline wait timed out; see docs/gemm.md)");
   }

@@ -59,7 +59,7 @@ class CommPipeline : public ::testing::TestWithParam<CommCase> {};
 TEST_P(CommPipeline, BitwiseEqualToReference) {
   const CommCase& c = GetParam();
   const int ep = c.shape.ep;
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   const auto routing = make_routing(c.shape, c.pattern, c.seed);
   const ref::Schedule ref = ref::make_schedule(c.shape, c.config, routing);
   std::vector<RankInputs> in(ep);
@@ -67,7 +67,7 @@ TEST_P(CommPipeline, BitwiseEqualToReference) {
   std::vector<RankOutputs> out(ep);
   RankPool& pool = RankPool::get(ep);
   pool.run([&](bootstrap::LocalRank& lr) {
-    out[lr.rank] = run_rank(c, in[lr.rank], lr.comm, lr.device, [&] { pool.barrier(); });
+    out[lr.rank] = run_rank(c, in[lr.rank], lr, [&] { pool.barrier(); });
   });
   for (int r = 0; r < ep; ++r) {
     expect_schedule(c, ref, routing, r, out[r]);
@@ -138,19 +138,18 @@ struct EngineOutputs {
 };
 constexpr int kLandCtas[] = {1, 3, 16};
 
-EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t comm, int device,
+EngineOutputs run_engines(const CommCase& c, const RankInputs& in, const bootstrap::LocalRank& lr,
                           const std::function<void()>& sync_ranks) {
   const LayerShape& s = c.shape;
-  auto ws = Workspace::create(s, c.config, comm, device);
+  auto ws = create_workspace(s, c.config, lr);
   comm::CommState& st = *ws->impl().state;
   const comm::ScheduleBuffers& sb = st.schedule_buffers();
-  cudaStream_t stream = nullptr;
-  MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+  const cudaStream_t stream = rank_stream();
   EngineOutputs out;
   auto d_topk = upload(in.topk);
   auto d_x = upload(in.x);
   auto d_out = upload(in.expert_out);
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  uploads_done();
   schedule(*ws, d_topk.get(), stream);
   ws->check();
   MOK_CUDA_CHECK(cudaMemcpy(&out.header, sb.header.get(), sizeof(out.header), cudaMemcpyDeviceToHost));
@@ -198,8 +197,8 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
       out.slots.emplace_back();
       continue;
     }
-    MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    MOK_CUDA_CHECK(cudaMemsetAsync(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2, stream));
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
     comm::CombineLaunch l = st.combine_launch(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), v.ctas, false);
     l.role.engine = v.engine;
@@ -211,7 +210,6 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, ncclComm_t co
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   sync_ranks();  // nobody tears its window down while a peer may still touch it
   ws.reset();
-  MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   return out;
 }
 
@@ -233,7 +231,7 @@ class CommEngines : public ::testing::TestWithParam<CommCase> {};
 TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
   const CommCase& c = GetParam();
   const int ep = c.shape.ep;
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   const LayerShape& s = c.shape;
   const int64_t H = s.hidden;
   const auto routing = make_routing(s, c.pattern, c.seed);
@@ -243,7 +241,7 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
   std::vector<EngineOutputs> out(ep);
   RankPool& pool = RankPool::get(ep);
   pool.run([&](bootstrap::LocalRank& lr) {
-    out[lr.rank] = run_engines(c, in[lr.rank], lr.comm, lr.device, [&] { pool.barrier(); });
+    out[lr.rank] = run_engines(c, in[lr.rank], lr, [&] { pool.barrier(); });
   });
   const int64_t mb = c.config.effective_minibatch(s);
   for (int r = 0; r < ep; ++r) {

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -20,6 +22,8 @@
 #include "comm/comm_state.hpp"
 #include "comm/cuda_check.hpp"
 #include "comm/roles.hpp"
+#include "comm/simulated_group.hpp"
+#include "host/simulated_ranks.hpp"
 #include "host/workspace_impl.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
@@ -37,6 +41,84 @@ inline int gpu_count() { return bootstrap::local_device_count(); }
                    << ": not run";                                                                   \
     }                                                                                                \
   } while (0)
+
+// ---- simulated ranks (comm/simulated_group.hpp) -----------------------------------------------
+// On a machine with fewer GPUs than a test's EP size, the RankPool runs the EP ranks as threads
+// on GPU 0 with a simulated group (plain device pointers instead of NVLink peers), so the EP >= 2
+// paths are checked bitwise on 1 GPU. MOK_TEST_SIMULATE_RANKS=0 turns that off (those tests skip).
+inline bool simulation_allowed() {
+  const char* v = std::getenv("MOK_TEST_SIMULATE_RANKS");
+  return v == nullptr || std::string(v) != "0";
+}
+// Simulated ranks need eager module loading (comm/simulated_group.hpp); set here, at static
+// initialisation, before the first CUDA call (a value the user set is kept).
+inline const bool kEagerModuleLoading = [] {
+  if (simulation_allowed()) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  return true;
+}();
+inline bool simulating_ranks(int ep) { return ep > gpu_count() && gpu_count() >= 1 && simulation_allowed(); }
+
+// For RankPool tests: one GPU per rank, or simulated ranks on one GPU.
+#define MOK_REQUIRE_RANKS(n)                                                                           \
+  do {                                                                                                 \
+    if (::mok::test::gpu_count() == 0) GTEST_SKIP() << "no CUDA GPU: not run";                         \
+    if (::mok::test::gpu_count() < (n) && !::mok::test::simulation_allowed()) {                        \
+      GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << ::mok::test::gpu_count()                 \
+                   << " and MOK_TEST_SIMULATE_RANKS=0: not run";                                       \
+    }                                                                                                  \
+    if (::mok::test::simulating_ranks(n)) {                                                            \
+      ::testing::Test::RecordProperty("simulated_ranks", (n));                                         \
+      std::printf("[ SIMULATED] ep %d as %d rank threads on GPU 0 (fewer GPUs than ranks; grids "      \
+                  "shrunk to fit together; not a performance run)\n", (n), (n));                       \
+    }                                                                                                  \
+  } while (0)
+
+// This thread's simulated group (set on the RankPool's rank threads in simulated mode).
+inline thread_local comm::SimulatedGroup* t_simulated_group = nullptr;
+
+// This rank thread's stream: non-blocking (never ordered behind another rank's work on the
+// legacy default stream, which all threads of a context share), created once per thread.
+inline cudaStream_t rank_stream() {
+  struct Holder {
+    cudaStream_t s = nullptr;
+    Holder() { MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+    ~Holder() { cudaStreamDestroy(s); }
+  };
+  thread_local Holder h;
+  return h.s;
+}
+
+// Host-to-device cudaMemcpy from pageable memory may return before its DMA finished; the
+// rank stream (non-blocking) is not ordered after it. Call after uploads, before launches.
+inline void uploads_done() { MOK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
+
+// The config a simulated rank runs: every rank's grid (one fused CTA per SM) must be resident
+// beside the others', so the grid shrinks to fit ep of them (4 SMs spare) and the comm CTAs to
+// at most half of it. Any grid / comm CTA count gives the same bits (D2).
+inline Config simulated_config(const LayerShape& s, Config c) {
+  int sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int fit = std::max(2, (sms - 4) / s.ep);
+  c.grid_sms = std::min(c.grid_sms > 0 ? c.grid_sms : sms, fit);
+  const int comm_cap = std::max(1, c.grid_sms / 2);
+  c.comm_sms_forward = std::min(c.effective_comm_sms_forward(s), comm_cap);
+  c.comm_sms_backward = std::min(c.comm_sms_backward, comm_cap);
+  return c;
+}
+
+// Workspace::create for rank `r` of a RankPool (NCCL communicator or simulated group).
+inline std::unique_ptr<Workspace> create_workspace(const LayerShape& s, const Config& cfg,
+                                                   const bootstrap::LocalRank& r) {
+  if (r.comm != nullptr) return Workspace::create(s, cfg, r.comm, r.device);
+  if (t_simulated_group == nullptr) {
+    throw Error(Status::kInvalidArgument, "create_workspace: rank thread has neither a communicator nor a group");
+  }
+  auto ws = host::create_simulated_workspace(s, simulated_config(s, cfg), *t_simulated_group, r.rank);
+  // Allocated now, not lazily mid-pass: an allocation between a rank's launches could wait on
+  // another rank's spinning kernel.
+  ws->impl().state->recv_buffer();
+  return ws;
+}
 
 // ---- routing patterns ---------------------------------------------------------------------------
 enum class Pattern {
@@ -132,6 +214,25 @@ class RankPool {
 
  private:
   explicit RankPool(int ep) : ep_(ep) {
+    if (simulating_ranks(ep)) {  // ep threads on GPU 0, no NCCL
+      group_ = std::make_unique<comm::SimulatedGroup>(ep, 0);
+      driver_ = std::thread([this] {
+        std::vector<std::thread> ranks;
+        for (int i = 0; i < ep_; ++i) {
+          ranks.emplace_back([this, i] {
+            bootstrap::LocalRank r;
+            r.rank = i;
+            r.world_size = ep_;
+            r.device = 0;
+            cudaSetDevice(0);
+            t_simulated_group = group_.get();
+            serve(r);
+          });
+        }
+        for (auto& t : ranks) t.join();
+      });
+      return;
+    }
     std::vector<int> devices(ep);
     for (int i = 0; i < ep; ++i) devices[i] = i;
     driver_ = std::thread([this, devices] {
@@ -163,6 +264,7 @@ class RankPool {
   }
 
   int ep_;
+  std::unique_ptr<comm::SimulatedGroup> group_;  // simulated ranks only
   std::thread driver_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -257,15 +359,16 @@ comm::DeviceBuffer<T> upload(const std::vector<T>& h) {
   return d;
 }
 
-// Poisons every schedule output (0xAB bytes) so a row the GPU never wrote cannot pass.
-inline void poison_schedule(const comm::ScheduleBuffers& b) {
-  MOK_CUDA_CHECK(cudaMemset(b.header.get(), 0xAB, b.header.bytes()));
-  MOK_CUDA_CHECK(cudaMemset(b.expert_offset.get(), 0xAB, b.expert_offset.bytes()));
-  MOK_CUDA_CHECK(cudaMemset(b.expert_rows.get(), 0xAB, b.expert_rows.bytes()));
-  MOK_CUDA_CHECK(cudaMemset(b.rows.get(), 0xAB, b.rows.bytes()));
-  MOK_CUDA_CHECK(cudaMemset(b.dest_row.get(), 0xAB, b.dest_row.bytes()));
-  MOK_CUDA_CHECK(cudaMemset(b.minibatch_ranges.get(), 0xAB, b.minibatch_ranges.bytes()));
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+// Poisons every schedule output (0xAB bytes) so a row the GPU never wrote cannot pass. On
+// `stream` and synchronised (nothing device-wide: simulated ranks share the device).
+inline void poison_schedule(const comm::ScheduleBuffers& b, cudaStream_t stream = nullptr) {
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.header.get(), 0xAB, b.header.bytes(), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.expert_offset.get(), 0xAB, b.expert_offset.bytes(), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.expert_rows.get(), 0xAB, b.expert_rows.bytes(), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.rows.get(), 0xAB, b.rows.bytes(), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.dest_row.get(), 0xAB, b.dest_row.bytes(), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.minibatch_ranges.get(), 0xAB, b.minibatch_ranges.bytes(), stream));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 inline void download_schedule(const comm::CommState& st, RankOutputs& out) {
@@ -285,13 +388,12 @@ inline void download_schedule(const comm::CommState& st, RankOutputs& out) {
 
 // The whole pipeline on one rank. `sync_ranks` = every rank's stream idle, then a host barrier
 // (needed only where the test poisons a buffer that peers write into).
-inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t comm, int device,
+inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, const bootstrap::LocalRank& lr,
                             const std::function<void()>& sync_ranks) {
   const LayerShape& s = c.shape;
-  auto ws = Workspace::create(s, c.config, comm, device);
+  auto ws = create_workspace(s, c.config, lr);
   comm::CommState& st = *ws->impl().state;
-  cudaStream_t stream = nullptr;
-  MOK_CUDA_CHECK(cudaStreamCreate(&stream));  // blocking: ordered after the legacy-stream copies below
+  const cudaStream_t stream = rank_stream();  // non-blocking: uploads_done() orders the copies below
   RankOutputs out;
   auto d_topk = upload(in.topk);
   auto d_x = upload(in.x);
@@ -299,9 +401,9 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t 
   auto d_out = upload(in.expert_out);
   auto d_w = upload(in.w);
   comm::DeviceBuffer<uint16_t> d_y(s.tokens * s.hidden);
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  uploads_done();
 
-  poison_schedule(st.schedule_buffers());
+  poison_schedule(st.schedule_buffers(), stream);
   schedule(*ws, d_topk.get(), stream);
   ws->check();
   download_schedule(st, out);
@@ -312,7 +414,7 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t 
   const int64_t padded = std::max<int64_t>(out.header.padded_rows, 0);
   const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(d_x.get());
   if (c.zero_copy) {
-    MOK_CUDA_CHECK(cudaMemcpy(ws->x_staging(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+    MOK_CUDA_CHECK(cudaMemcpyAsync(ws->x_staging(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice, stream));
     x = ws->x_staging();
   }
   for (const DispatchVariant& v : dispatch_variants()) {
@@ -327,8 +429,8 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t 
   const auto* expert_out = reinterpret_cast<const __nv_bfloat16*>(d_out.get());
   auto* y = reinterpret_cast<__nv_bfloat16*>(d_y.get());
   for (const CombineVariant& v : combine_variants()) {
-    MOK_CUDA_CHECK(cudaMemset(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2));
-    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+    MOK_CUDA_CHECK(cudaMemsetAsync(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2, stream));
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
     comm::CombineLaunch l = st.combine_launch(expert_out, v.ctas, v.own_rows_in_place);
     if (!v.remote_list) l.role.remote_rows = l.role.remote_count = nullptr;
@@ -347,7 +449,6 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, ncclComm_t 
   MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
   sync_ranks();  // nobody tears its window down while a peer may still touch it
   ws.reset();
-  MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   return out;
 }
 

@@ -38,7 +38,12 @@ TEST(CommTorchrun, PipelineMatchesReferenceOnEveryRank) {
     const ref::Schedule ref = ref::make_schedule(c.shape, c.config, routing);
     std::vector<RankInputs> in(ep);
     for (int r = 0; r < ep; ++r) in[r] = make_inputs(c, routing, r);
-    const RankOutputs out = run_rank(c, in[rank], dist->comm, dist->device, [&] { nccl_barrier(dist->comm); });
+    bootstrap::LocalRank lr;
+    lr.rank = rank;
+    lr.world_size = ep;
+    lr.device = dist->device;
+    lr.comm = dist->comm;
+    const RankOutputs out = run_rank(c, in[rank], lr, [&] { nccl_barrier(dist->comm); });
     expect_schedule(c, ref, routing, rank, out);
     expect_data(c, ref, in, rank, out);
   }

@@ -111,6 +111,7 @@ RankData upload_rank(const Problem& p, int rank) {
   d.sdown = upload_bf16(p.weights.shared_down.data(), p.weights.shared_down.size());
   d.idx = upload(p.inputs.topk_idx[rank].data(), p.inputs.topk_idx[rank].size());
   d.w = upload(p.inputs.topk_w[rank].data(), p.inputs.topk_w[rank].size());
+  uploads_done();
   return d;
 }
 
@@ -123,11 +124,10 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
   Outputs out(configs.size(), std::vector<std::vector<std::vector<uint16_t>>>(repeats, std::vector<std::vector<uint16_t>>(s.ep)));
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    cudaStream_t stream;
-    MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+    cudaStream_t stream = rank_stream();
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
     for (size_t c = 0; c < configs.size(); ++c) {
-      auto ws = Workspace::create(s, configs[c], r.comm, r.device);
+      auto ws = create_workspace(s, configs[c], r);
       if (path) ws->impl().forward_path = *path;
       for (int i = 0; i < repeats; ++i) {
         MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), stream));
@@ -139,7 +139,6 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
         MOK_CUDA_CHECK(cudaMemcpy(y.data(), d.y.get(), d.y.bytes(), cudaMemcpyDeviceToHost));
       }
     }
-    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
   return out;
 }
@@ -202,18 +201,22 @@ class ForwardVsReference : public ::testing::TestWithParam<std::tuple<int, int>>
 
 TEST_P(ForwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
   const auto [ep, which] = GetParam();
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   const Case c = case_at(which, ep);
   const Problem p = make_problem(c.shape, c.pattern, 1000 + which * 10 + ep);
   const Config cfg = default_config(c.shape);
   const ref::ForwardResult expect = ref::forward(c.shape, cfg, p.weights, p.inputs);
   const Outputs got = run_gpu(p, {cfg}, 3);
+  double total = 0;
   for (int r = 0; r < ep; ++r) {
     const double err = rel_norm(got[0][0][r], expect.y[r]);
     EXPECT_LT(err, 1e-2) << c.name << " rank " << r;
-    EXPECT_GT(err, 0.0) << "GPU and CPU add in different orders: exact equality is suspicious";
+    total += err;
     for (int i = 1; i < 3; ++i) EXPECT_TRUE(same_bits(got[0][i][r], got[0][0][r])) << "D1, repeat " << i;
   }
+  // GPU and CPU add in different orders, so some element differs somewhere; one rank's small y
+  // (top-1, H 128) can match bit for bit by chance (seen at ep 4 and 8), the whole batch cannot.
+  EXPECT_GT(total, 0.0) << c.name << ": GPU y equals the CPU reference bit for bit on every rank (suspicious)";
 }
 
 INSTANTIATE_TEST_SUITE_P(Ep, ForwardVsReference,
@@ -229,7 +232,7 @@ class ForwardDeterminism : public ::testing::TestWithParam<int> {};
 // the staged path keeps every row) and grid size.
 TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
   const int ep = GetParam();
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   const LayerShape s{1000, 256, 128, 128, 8, 4, ep};
   const Problem p = make_problem(s, Pattern::kUniform, 77);
   std::vector<Config> configs;
@@ -275,7 +278,7 @@ class ForwardEpInvariance : public ::testing::TestWithParam<int> {};
 
 TEST_P(ForwardEpInvariance, SameGlobalBatchGivesIdenticalBitsAsEp1) {
   const int ep = GetParam();
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   const LayerShape s{1000 / ep, 256, 128, 128, 8, 4, ep};
   const Problem p = make_problem(s, Pattern::kUniform, 99);
   const Problem p1 = resplit(p, 1);
@@ -327,7 +330,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
   std::vector<PassBits> out(s.ep);
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = path;
     ws->impl().dispatch_dedup = modes != CopyModes::kPlain;
     const bool push_all = modes == CopyModes::kPushAll || modes == CopyModes::kPushAllSum;
@@ -339,21 +342,23 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
                                 modes == CopyModes::kPushAllSum || modes == CopyModes::kRingSum;
     if (modes == CopyModes::kNoJoin) ws->impl().join_gemm = 0;
     if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
-    if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = cfg.effective_comm_sms_forward(s) - 1;
+    if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = ws->config().effective_comm_sms_forward(s) - 1;
     if (modes == CopyModes::kRingOne) ws->impl().ring_comm_ctas = 1;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
-      if (b->bytes()) MOK_CUDA_CHECK(cudaMemset(b->get(), 0xFF, b->bytes()));  // unwritten context cannot pass
+      if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), rank_stream()));  // unwritten context cannot pass
     }
-    MOK_CUDA_CHECK(cudaMemset(d.y.get(), 0xFF, d.y.bytes()));
+    MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), rank_stream()));
     const bool all_slots = !ws->impl().combine_in_place;
     const size_t slot_elems = size_t(s.tokens) * s.topk * s.hidden;
     // NOTE: peers write into these slots only after this rank's kernel (after the memset, same
     // stream) opened the pass's first barrier.
-    if (all_slots) MOK_CUDA_CHECK(cudaMemset(const_cast<bf16*>(ws->impl().state->slots()), 0xFF, slot_elems * 2));
+    if (all_slots) {
+      MOK_CUDA_CHECK(cudaMemsetAsync(const_cast<bf16*>(ws->impl().state->slots()), 0xFF, slot_elems * 2, rank_stream()));
+    }
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), nullptr);
-    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+    schedule(*ws, d.idx.get(), rank_stream());
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
     ws->check();
     comm::ScheduleHeader h{};
     MOK_CUDA_CHECK(cudaMemcpy(&h, ws->impl().state->view().header, sizeof(h), cudaMemcpyDeviceToHost));
@@ -380,7 +385,7 @@ class FusedVsStaged : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto [ep, which] = GetParam();
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   const Case c = case_at(which, ep);
   const Problem p = make_problem(c.shape, c.pattern, 3000 + which * 10 + ep);
   Config cfg = default_config(c.shape);
@@ -462,7 +467,7 @@ class ForwardMacrobatch : public ::testing::TestWithParam<std::tuple<int, int>> 
 
 TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
   const auto [ep, which] = GetParam();
-  MOK_REQUIRE_GPUS(ep);
+  MOK_REQUIRE_RANKS(ep);
   MOK_REQUIRE_FUSED_WORKSPACE();
   const Case c = case_at(which, ep);
   const Problem p = make_problem(c.shape, c.pattern, 5000 + which * 10 + ep);
@@ -523,7 +528,7 @@ INSTANTIATE_TEST_SUITE_P(Ep, ForwardMacrobatch,
 void expect_forward_refused(Workspace& ws, const RankData& d, const ExpertWeights& ew, const char* option,
                             const std::string& what) {
   try {
-    forward(ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+    forward(ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
     ADD_FAILURE() << "expected mok::Error for " << what;
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::kInvalidArgument) << e.what();
@@ -542,10 +547,10 @@ TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
   cfg.grid_sms = sms + 1;
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), nullptr);
+    schedule(*ws, d.idx.get(), rank_stream());
     expect_forward_refused(*ws, d, ew, "grid_sms", "grid_sms = " + std::to_string(cfg.grid_sms));
     ws->check();
   });
@@ -560,10 +565,10 @@ TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
   const Config cfg = default_config(s);
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), nullptr);
+    schedule(*ws, d.idx.get(), rank_stream());
     for (int join : {cfg.effective_comm_sms_forward(s) + 1, -2}) {
       ws->impl().join_gemm = join;
       expect_forward_refused(*ws, d, ew, "join_gemm", "join_gemm = " + std::to_string(join));
@@ -584,10 +589,10 @@ TEST(FusedForward, RefusesBadEpiloguePushOptions) {
   const Config cfg = default_config(s);
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), nullptr);
+    schedule(*ws, d.idx.get(), rank_stream());
     for (int v : {2, -2}) {
       ws->impl().epilogue_push = v;
       expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push = " + std::to_string(v));
@@ -613,11 +618,11 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
   cfg.macrobatch = 256;
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = Workspace::create(s, cfg, r.comm, r.device);
+    auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     ASSERT_TRUE(ws->impl().forward->ring());
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), nullptr);
+    schedule(*ws, d.idx.get(), rank_stream());
     ws->impl().forward_path = megakernel::ForwardPath::kStaged;
     expect_forward_refused(*ws, d, ew, "Config.macrobatch", "the staged path on a ring");
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
@@ -627,8 +632,8 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
     ws->impl().epilogue_push = 0;
     expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push 0 on a ring");
     ws->impl().epilogue_push = -1;
-    MOK_CUDA_CHECK(cudaMemset(d.y.get(), 0xFF, d.y.bytes()));
-    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);  // the defaults run
+    MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), rank_stream()));
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());  // the defaults run
     ws->check();
   });
 }
@@ -637,10 +642,10 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
 void expect_forward_error(const Problem& p, const Config& cfg, Status status, const char* fragment) {
   RankPool::get(p.shape.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = Workspace::create(p.shape, cfg, r.comm, r.device);
+    auto ws = create_workspace(p.shape, cfg, r);
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), nullptr);
-    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, nullptr);
+    schedule(*ws, d.idx.get(), rank_stream());
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
     try {
       ws->check();
       ADD_FAILURE() << "expected mok::Error containing '" << fragment << "'";
@@ -657,7 +662,7 @@ void expect_forward_error(const Problem& p, const Config& cfg, Status status, co
 // At ep = 1 a rank always receives exactly T*K rows, so overflow needs two ranks: every token
 // of both ranks routed to rank 0's experts gives rank 0 twice its capacity of 1.0 * T*K.
 TEST(ForwardErrors, CapacityOverflowIsAnErrorAndPoisonsY) {
-  MOK_REQUIRE_GPUS(2);
+  MOK_REQUIRE_RANKS(2);
   const LayerShape s{256, 128, 128, 0, 8, 2, 2};
   const Problem p = make_problem(s, Pattern::kOneRank, 5);
   Config cfg;
