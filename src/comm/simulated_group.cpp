@@ -1,5 +1,6 @@
 #include "comm/simulated_group.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 
@@ -21,6 +22,19 @@ SimulatedGroup::SimulatedGroup(int ep, int device, double timeout_s)
                   "EAGER for simulated ranks (set before the first CUDA call: a lazily loaded kernel's first "
                   "launch may wait for the peers' spinning kernels in the shared context)",
                   loading == nullptr ? "unset (LAZY)" : loading);
+  }
+  // Streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default 8): a rank's launch can
+  // queue behind a peer's kernel that spins on it (seen at ep 8 as 10 s timeouts at the very
+  // first barrier). Every rank's stream needs its own queue, with room for the others.
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int need = ep <= 2 ? 8 : std::min(32, 4 * ep);
+  const int have = conn == nullptr ? 8 : std::atoi(conn);
+  if (have < need) {
+    throw_invalid("environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+                  ">= " + std::to_string(need) + " for " + std::to_string(ep) +
+                      " simulated ranks (set before the first CUDA call; 32 is the maximum): with fewer "
+                      "hardware queues a rank's kernel can wait behind a peer's spinning kernel",
+                  conn == nullptr ? "unset (8)" : conn);
   }
 }
 

@@ -11,8 +11,10 @@
 // launch behind another's spinning kernel); nothing device-wide (cudaDeviceSynchronize,
 // cudaFree) between a rank's launches of one pass. Workspace creation and destruction are
 // collective over the group (a host barrier), which keeps their device-wide syncs safe. And
-// CUDA_MODULE_LOADING=EAGER before the first CUDA call (checked here): a lazily loaded
-// kernel's first launch may wait for the whole context, peers' spinning kernels included.
+// CUDA_MODULE_LOADING=EAGER and CUDA_DEVICE_MAX_CONNECTIONS=32 before the first CUDA call
+// (both checked here): a lazily loaded kernel's first launch may wait for the whole context,
+// and streams that share a hardware queue serialise, so a rank's launch could wait behind a
+// peer's kernel that spins on it.
 #pragma once
 
 #include <condition_variable>

@@ -120,6 +120,10 @@ std::unique_ptr<Workspace> create_simulated_workspace(const LayerShape& shape, c
   auto window = std::make_unique<comm::SymmetricWindow>(group, rank, comm::CommState::window_bytes(shape));
   impl->state = std::make_unique<comm::CommState>(shape, config, std::move(window), resident);
   finish_impl(*impl, resident);
+  // Allocated now, not lazily in a pass (token-major dispatch): an allocation between a rank's
+  // launches may wait for the device, i.e. for a peer's kernel spinning on this rank.
+  impl->state->recv_buffer();
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
   // Last: no rank launches a kernel that waits on its peers while another is still inside a
   // device-wide sync above (that sync would wait for the spinning kernel: a deadlock).
   group.barrier(rank, "workspace creation");

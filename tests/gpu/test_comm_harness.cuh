@@ -50,10 +50,14 @@ inline bool simulation_allowed() {
   const char* v = std::getenv("MOK_TEST_SIMULATE_RANKS");
   return v == nullptr || std::string(v) != "0";
 }
-// Simulated ranks need eager module loading (comm/simulated_group.hpp); set here, at static
-// initialisation, before the first CUDA call (a value the user set is kept).
-inline const bool kEagerModuleLoading = [] {
-  if (simulation_allowed()) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+// Simulated ranks need eager module loading and one hardware queue per stream
+// (comm/simulated_group.hpp); set here, at static initialisation, before the first CUDA call
+// (values the user set are kept, and checked when a group is made).
+inline const bool kSimulatedRankEnv = [] {
+  if (simulation_allowed()) {
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  }
   return true;
 }();
 inline bool simulating_ranks(int ep) { return ep > gpu_count() && gpu_count() >= 1 && simulation_allowed(); }
@@ -113,11 +117,7 @@ inline std::unique_ptr<Workspace> create_workspace(const LayerShape& s, const Co
   if (t_simulated_group == nullptr) {
     throw Error(Status::kInvalidArgument, "create_workspace: rank thread has neither a communicator nor a group");
   }
-  auto ws = host::create_simulated_workspace(s, simulated_config(s, cfg), *t_simulated_group, r.rank);
-  // Allocated now, not lazily mid-pass: an allocation between a rank's launches could wait on
-  // another rank's spinning kernel.
-  ws->impl().state->recv_buffer();
-  return ws;
+  return host::create_simulated_workspace(s, simulated_config(s, cfg), *t_simulated_group, r.rank);
 }
 
 // ---- routing patterns ---------------------------------------------------------------------------
@@ -215,7 +215,7 @@ class RankPool {
  private:
   explicit RankPool(int ep) : ep_(ep) {
     if (simulating_ranks(ep)) {  // ep threads on GPU 0, no NCCL
-      group_ = std::make_unique<comm::SimulatedGroup>(ep, 0);
+      group_ = std::make_unique<comm::SimulatedGroup>(ep, 0, 30.0);  // host collectives give up after 30 s
       driver_ = std::thread([this] {
         std::vector<std::thread> ranks;
         for (int i = 0; i < ep_; ++i) {
@@ -254,6 +254,10 @@ class RankPool {
       std::exception_ptr err;
       try {
         task(r);
+      } catch (const std::exception& e) {
+        // Said at once: the other ranks may now wait out a barrier timeout before run() returns.
+        std::fprintf(stderr, "rank %d of %d failed: %s\n", r.rank, ep_, e.what());
+        err = std::current_exception();
       } catch (...) {
         err = std::current_exception();
       }

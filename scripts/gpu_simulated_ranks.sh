@@ -1,0 +1,32 @@
+#!/bin/bash
+# The EP >= 2 GPU tests as simulated ranks on ONE GPU (tests/gpu/test_comm_harness.cuh,
+# docs/comm.md "Simulated ranks"), repeated to catch rare hangs: test_comm's EP 2/4/8 cases and
+# test_forward's EP >= 2 cases, D3 and the 2-rank error paths. Functional only: no NVLink, no
+# performance. With as many GPUs as ranks the same tests run on real ranks instead.
+#
+#   scripts/gpu_validate.sh build          # CPU machine: binaries into .devbin/validate
+#   REPEAT=5 scripts/gpu_simulated_ranks.sh   # GPU machine (carry .devbin); logs under $OUT
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+B=.devbin/validate
+export LD_LIBRARY_PATH=$PWD/$B:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-sim-out}; mkdir -p "$OUT"
+REPEAT=${REPEAT:-5}
+rc=0
+run() {  # name, limit, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local r=$?
+  [ $r = 0 ] || rc=1
+  printf '%-14s rc=%-4s %4ss  %s\n' "$name" "$r" "$(( $(date +%s) - t0 ))" \
+    "$(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$name.log" | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
+  grep -E "failed:|Failure" "$OUT/$name.log" | sort | uniq -c | head -5 | cut -c1-240
+}
+nvidia-smi -L
+run test_comm    300 $B/test_comm --gtest_repeat="$REPEAT" --gtest_filter='Ep2/*:Ep4/*:Ep8/*'
+run test_forward 300 $B/test_forward --gtest_repeat="$REPEAT" \
+  --gtest_filter='*ep2:*ep4:*ep8:Ep/ForwardDeterminism.*:Ep/ForwardEpInvariance.*:ForwardErrors.*'
+echo "simulated ranks: $(grep -h -c '^\[ SIMULATED\] ep' "$OUT"/*.log | paste -sd+ | bc) simulated test runs; rc=$rc"
+exit $rc
