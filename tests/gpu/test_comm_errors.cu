@@ -132,51 +132,49 @@ TEST(CommErrors, CapacityOverflowIsAnErrorNotAHang) {
 }
 
 TEST(CommErrors, CapacityOverflowOnTwoRanks) {
-  MOK_REQUIRE_GPUS(2);
+  MOK_REQUIRE_RANKS(2);
   const LayerShape s = small_shape(2);
   Config cfg;
   cfg.capacity = 1.0;  // rank 0 receives 2*T*K rows, twice the capacity
   const auto routing = make_routing(s, Pattern::kOneRank, 23);
   RankPool& pool = RankPool::get(2);
   pool.run([&](bootstrap::LocalRank& lr) {
-    auto ws = Workspace::create(s, cfg, lr.comm, lr.device);
+    auto ws = create_workspace(s, cfg, lr);
     comm::CommState& st = *ws->impl().state;
-    cudaStream_t stream = nullptr;
-    MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+    const cudaStream_t stream = rank_stream();
     auto d_topk = upload(routing[lr.rank]);
+    comm::DeviceBuffer<uint16_t> expert_out(st.schedule_buffers().buffer_rows * s.hidden);
+    uploads_done();
     schedule(*ws, d_topk.get(), stream);
     // Every rank fails, not only the overflowing one: rank 1's tokens went to rank 0's experts,
     // so its y would silently miss their contributions.
     expect_error(*ws, Status::kCapacityOverflow, {"rank 0 receives " + std::to_string(2 * s.tokens * s.topk)});
-    comm::DeviceBuffer<uint16_t> expert_out(st.schedule_buffers().buffer_rows * s.hidden);
     st.dispatch(4, true, stream);
     st.combine(reinterpret_cast<const __nv_bfloat16*>(expert_out.get()), 4, true, stream);
     ws->check();
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     pool.barrier();
     ws.reset();
-    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
 }
 
 TEST(CommErrors, BadRoutingOnTwoRanksIsSeenByBoth) {
-  MOK_REQUIRE_GPUS(2);
+  MOK_REQUIRE_RANKS(2);
   const LayerShape s = small_shape(2);
   Config cfg;
   auto routing = make_routing(s, Pattern::kUniform, 24);
   routing[1][9 * 3 + 1] = static_cast<int32_t>(s.experts);  // rank 1, token 9, k 1
   RankPool& pool = RankPool::get(2);
   pool.run([&](bootstrap::LocalRank& lr) {
-    auto ws = Workspace::create(s, cfg, lr.comm, lr.device);
-    cudaStream_t stream = nullptr;
-    MOK_CUDA_CHECK(cudaStreamCreate(&stream));
+    auto ws = create_workspace(s, cfg, lr);
+    const cudaStream_t stream = rank_stream();
     auto d_topk = upload(routing[lr.rank]);
+    uploads_done();
     schedule(*ws, d_topk.get(), stream);
     expect_error(*ws, Status::kInvalidArgument, {"topk_idx[rank 1, token 9, k 1]"});
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     pool.barrier();
     ws.reset();
-    MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
 }
 
