@@ -131,9 +131,15 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
       if (path) ws->impl().forward_path = *path;
       for (int i = 0; i < repeats; ++i) {
         MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), stream));
+        const double launched = harness_ms();
         schedule(*ws, d.idx.get(), stream);
         forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, stream);
-        ws->check();
+        try {
+          ws->check();
+        } catch (const Error& e) {
+          throw Error(e.status(), "config " + std::to_string(c) + ", pass " + std::to_string(i) + " (launched at " +
+                                      std::to_string(launched) + " ms): " + e.what());
+        }
         auto& y = out[c][i][r.rank];
         y.resize(d.y.size());
         MOK_CUDA_CHECK(cudaMemcpy(y.data(), d.y.get(), d.y.bytes(), cudaMemcpyDeviceToHost));
