@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 
 #include "mok/error.hpp"
@@ -57,8 +58,9 @@ void SimulatedGroup::barrier(int rank, const std::string& what) {
   const auto limit = std::chrono::duration<double>(timeout_s_);
   if (!cv_.wait_for(lock, limit, [&] { return round_ != round; })) {
     --arrived_;  // leave the round consistent for whoever inspects it
-    throw Error(Status::kTimeout, "simulated ranks: rank " + std::to_string(rank) + " waited " +
-                                      std::to_string(timeout_s_) + " s at " + what +
+    char secs[32];
+    std::snprintf(secs, sizeof(secs), "%g", timeout_s_);
+    throw Error(Status::kTimeout, "simulated ranks: rank " + std::to_string(rank) + " waited " + secs + " s at " + what +
                                       " for the other ranks (one of them failed or never called it)");
   }
 }
