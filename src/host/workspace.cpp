@@ -1,7 +1,6 @@
 // mok::Workspace and mok::schedule on the NCCL device API (DESIGN §2 step 1, §5).
-#include <string>
-
 #include <cstdio>
+#include <string>
 
 #include "comm/cuda_check.hpp"
 #include "host/simulated_ranks.hpp"
