@@ -10,7 +10,7 @@
 namespace mok::comm {
 
 SimulatedGroup::SimulatedGroup(int ep, int device, double timeout_s)
-    : ep_(ep), device_(device), timeout_s_(timeout_s), bases_(static_cast<size_t>(ep > 0 ? ep : 0), nullptr) {
+    : ep_(ep), device_(device), timeout_s_(timeout_s), barrier_(ep), bases_(static_cast<size_t>(ep > 0 ? ep : 0), nullptr) {
   if (ep < 1 || ep > kMaxEp) throw_invalid("SimulatedGroup ep", "1.." + std::to_string(kMaxEp), std::to_string(ep));
   if (device < 0) throw_invalid("SimulatedGroup device", "a CUDA device index >= 0", std::to_string(device));
   if (!(timeout_s > 0)) throw_invalid("SimulatedGroup timeout_s", "> 0 seconds", std::to_string(timeout_s));
@@ -45,19 +45,23 @@ void SimulatedGroup::check_rank(int rank) const {
   }
 }
 
-void SimulatedGroup::barrier(int rank, const std::string& what) {
-  check_rank(rank);
+bool HostBarrier::arrive_and_wait(double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t round = round_;
-  if (++arrived_ == ep_) {
+  if (++arrived_ == n_) {
     arrived_ = 0;
     ++round_;
     cv_.notify_all();
-    return;
+    return true;
   }
-  const auto limit = std::chrono::duration<double>(timeout_s_);
-  if (!cv_.wait_for(lock, limit, [&] { return round_ != round; })) {
-    --arrived_;  // leave the round consistent for whoever inspects it
+  if (cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return round_ != round; })) return true;
+  --arrived_;  // leave the round consistent for whoever inspects it
+  return false;
+}
+
+void SimulatedGroup::barrier(int rank, const std::string& what) {
+  check_rank(rank);
+  if (!barrier_.arrive_and_wait(timeout_s_)) {
     char secs[32];
     std::snprintf(secs, sizeof(secs), "%g", timeout_s_);
     throw Error(Status::kTimeout, "simulated ranks: rank " + std::to_string(rank) + " waited " + secs + " s at " + what +

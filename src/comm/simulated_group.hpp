@@ -27,6 +27,22 @@
 
 namespace mok::comm {
 
+// A reusable barrier of `n` host threads that gives up after a timeout (a thread that failed
+// never arrives). Shared by SimulatedGroup and the test RankPool.
+class HostBarrier {
+ public:
+  explicit HostBarrier(int n) : n_(n) {}
+  // False when the others did not all arrive within `timeout_s` (this arrival is withdrawn).
+  bool arrive_and_wait(double timeout_s);
+
+ private:
+  int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t round_ = 0;
+};
+
 class SimulatedGroup {
  public:
   // `device`: the GPU every rank runs on. `timeout_s`: how long a host collective waits for the
@@ -42,17 +58,15 @@ class SimulatedGroup {
   void barrier(int rank, const std::string& what);
   // Collective: every rank publishes its window base; returns every rank's base (self included).
   PeerMap exchange(int rank, char* base);
-
- private:
+  // Throws kInvalidArgument unless 0 <= rank < ep.
   void check_rank(int rank) const;
 
+ private:
   int ep_;
   int device_;
   double timeout_s_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int arrived_ = 0;
-  uint64_t round_ = 0;
+  HostBarrier barrier_;
+  std::mutex mu_;  // bases_
   std::vector<char*> bases_;
 };
 

@@ -108,9 +108,7 @@ std::unique_ptr<Workspace> create_simulated_workspace(const LayerShape& shape, c
     throw_invalid("group", "a simulated group of LayerShape.ep = " + std::to_string(shape.ep) + " ranks",
                   std::to_string(group.ep()) + " ranks");
   }
-  if (rank < 0 || rank >= group.ep()) {
-    throw_invalid("rank", "0.." + std::to_string(group.ep() - 1), std::to_string(rank));
-  }
+  group.check_rank(rank);
   DeviceGuard guard(group.device());
   auto impl = new_impl(shape, config, group.device());
   impl->simulated = &group;
@@ -118,11 +116,10 @@ std::unique_ptr<Workspace> create_simulated_workspace(const LayerShape& shape, c
   const int64_t resident = resident_rows(*impl);
   auto window = std::make_unique<comm::SymmetricWindow>(group, rank, comm::CommState::window_bytes(shape));
   impl->state = std::make_unique<comm::CommState>(shape, config, std::move(window), resident);
-  finish_impl(*impl, resident);
   // Allocated now, not lazily in a pass (token-major dispatch): an allocation between a rank's
   // launches may wait for the device, i.e. for a peer's kernel spinning on this rank.
   impl->state->recv_buffer();
-  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  finish_impl(*impl, resident);  // ends with the device sync
   // Last: no rank launches a kernel that waits on its peers while another is still inside a
   // device-wide sync above (that sync would wait for the spinning kernel: a deadlock).
   group.barrier(rank, "workspace creation");

@@ -164,11 +164,10 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, const bootstr
     }
     sync_ranks();  // every rank sees the same broken flags before the next launch
   };
-  // Simulated ranks share one GPU: a variant whose ep * ctas CTAs cannot all be resident (one
-  // per SM, 4 spare) would wait at its group barrier for CTAs that never start. Not run then.
-  int sms = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, lr.device));
-  auto does_not_fit = [&](const EngineVariant& v) { return lr.comm == nullptr && s.ep * v.ctas > sms - 4; };
+  // Simulated ranks share one GPU: a variant whose ep * ctas CTAs cannot all be resident
+  // would wait at its group barrier for CTAs that never start. Not run then.
+  const int fit = lr.comm == nullptr ? simulated_ctas_per_rank(s.ep) : 0;
+  auto does_not_fit = [&](const EngineVariant& v) { return lr.comm == nullptr && v.ctas > fit; };
   st.stage_x(reinterpret_cast<const __nv_bfloat16*>(d_x.get()), stream);
   for (const EngineVariant& v : engine_dispatch_variants()) {
     out.dispatch_skipped.push_back(does_not_fit(v));

@@ -114,11 +114,16 @@ inline void uploads_done() { MOK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLega
 // The config a simulated rank runs: every rank's grid (one fused CTA per SM) must be resident
 // beside the others', so the grid shrinks to fit ep of them (4 SMs spare) and the comm CTAs to
 // at most half of it. Any grid / comm CTA count gives the same bits (D2).
-inline Config simulated_config(const LayerShape& s, Config c) {
+inline int gpu0_sms() {
   int sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int fit = std::max(2, (sms - 4) / s.ep);
-  c.grid_sms = std::min(c.grid_sms > 0 ? c.grid_sms : sms, fit);
+  return sms;
+}
+// CTAs each of `ep` simulated ranks may keep resident at once (one per SM, 4 SMs spare).
+inline int simulated_ctas_per_rank(int ep) { return (gpu0_sms() - 4) / ep; }
+inline Config simulated_config(const LayerShape& s, Config c) {
+  const int fit = std::max(2, simulated_ctas_per_rank(s.ep));
+  c.grid_sms = std::min(c.grid_sms > 0 ? c.grid_sms : gpu0_sms(), fit);
   const int comm_cap = std::max(1, c.grid_sms / 2);
   c.comm_sms_forward = std::min(c.effective_comm_sms_forward(s), comm_cap);
   c.comm_sms_backward = std::min(c.comm_sms_backward, comm_cap);
@@ -215,13 +220,7 @@ class RankPool {
   // Host barrier among the rank threads (after each synchronised its stream). Gives up after
   // two minutes (a rank that failed never arrives) instead of hanging the test binary.
   void barrier() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t round = barrier_round_;
-    if (++barrier_count_ == ep_) {
-      barrier_count_ = 0;
-      ++barrier_round_;
-      cv_.notify_all();
-    } else if (!cv_.wait_for(lock, std::chrono::minutes(2), [&] { return barrier_round_ != round; })) {
+    if (!barrier_.arrive_and_wait(120.0)) {
       throw Error(Status::kTimeout, "test host barrier: a rank thread never arrived (it failed earlier)");
     }
   }
@@ -302,8 +301,7 @@ class RankPool {
   int done_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
-  int barrier_count_ = 0;
-  uint64_t barrier_round_ = 0;
+  comm::HostBarrier barrier_{ep_};
 };
 
 // ---- one test case --------------------------------------------------------------------------------
