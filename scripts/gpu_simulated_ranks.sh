@@ -16,7 +16,7 @@ B=.devbin/validate
 export LD_LIBRARY_PATH=$PWD/$B:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-sim-out}; mkdir -p "$OUT"
 REPEAT=${REPEAT:-5}
-export MOK_TEST_SIMULATE_MAX_EP=${MOK_TEST_SIMULATE_MAX_EP:-8}  # the full suites stop at 4 (harness)
+export MOK_TEST_SIMULATE_MAX_EP=${MOK_TEST_SIMULATE_MAX_EP:-8}  # the harness default too
 rc=0
 run() {  # name, limit, command...
   local name=$1 limit=$2; shift 2

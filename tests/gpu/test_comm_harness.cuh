@@ -60,13 +60,20 @@ inline const bool kSimulatedRankEnv = [] {
   }
   return true;
 }();
-// The largest EP size simulated (MOK_TEST_SIMULATE_MAX_EP, default 4). Why not 8 by default:
-// in the full test binaries (after the NCCL-backed EP 1 tests) the simulated ep 8 forward hit a
-// first-barrier timeout once in about 40 ep 8 test runs; run alone (scripts/gpu_simulated_ranks.sh
-// sets 8) it passed every time (docs/comm.md, launch mode (c)). ep 2 and 4 never failed.
+// The largest EP size simulated (MOK_TEST_SIMULATE_MAX_EP, default 8 = every EP the tests use).
+// It was 4 for a while: one first-barrier timeout at simulated ep 8 in a full test_forward run
+// (b8b35ba, 1 of ~40 ep 8 test runs); since 3e5edb5, 20 full test_forward runs (400 ep 8 test
+// runs) and 10 full test_comm runs (236) passed (docs/comm.md, launch mode (c)).
 inline int simulate_max_ep() {
   const char* v = std::getenv("MOK_TEST_SIMULATE_MAX_EP");
-  return v == nullptr || *v == '\0' ? 4 : std::atoi(v);
+  if (v == nullptr || *v == '\0') return 8;
+  char* end = nullptr;
+  const long ep = std::strtol(v, &end, 10);
+  if (*end != '\0' || ep < 1 || ep > 8) {  // a typo must not silently skip (or widen) the EP cases
+    std::fprintf(stderr, "MOK_TEST_SIMULATE_MAX_EP: expected an integer in 1..8, got \"%s\"\n", v);
+    std::abort();
+  }
+  return static_cast<int>(ep);
 }
 inline bool simulating_ranks(int ep) {
   return ep > gpu_count() && gpu_count() >= 1 && simulation_allowed() && ep <= simulate_max_ep();
@@ -83,7 +90,7 @@ inline bool simulating_ranks(int ep) {
     if (::mok::test::gpu_count() < (n) && (n) > ::mok::test::simulate_max_ep()) {                      \
       GTEST_SKIP() << "needs " << (n) << " GPU(s), found " << ::mok::test::gpu_count()                 \
                    << ", and simulated ranks stop at ep " << ::mok::test::simulate_max_ep()            \
-                   << " (MOK_TEST_SIMULATE_MAX_EP; scripts/gpu_simulated_ranks.sh runs ep 8): not run"; \
+                   << " (MOK_TEST_SIMULATE_MAX_EP): not run"; \
     }                                                                                                  \
     if (::mok::test::simulating_ranks(n)) {                                                            \
       ::testing::Test::RecordProperty("simulated_ranks", (n));                                         \
