@@ -2,7 +2,7 @@
 # The EP 2 calls that decide the forward's EP >= 2 defaults (docs/megakernel.md, "Next, with a
 # 2-GPU lease"), on an nvidia-h200-x2 machine, with the binaries of `scripts/gpu_validate.sh build`
 # (carry .devbin):
-#   scripts/gpu_ep2_decide.sh a   # test_comm + test_forward at EP 1-2, then the fused sum, the
+#   scripts/gpu_ep2_decide.sh a   # test_comm + test_forward at EP 1-2 (real ranks), then the fused sum, the
 #                                 # epilogue push and both together against the default (~8 min)
 #   scripts/gpu_ep2_decide.sh b   # that bench again, then the macrobatch ring at EP 2 (~6 min)
 # Logs and bench JSON under $OUT; the summary lines are printed last.
@@ -15,8 +15,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi -L
 BF="$B/bench_forward --shapes gptoss,qwen3,dsv3 --iters 5"
 if [ "${1:-a}" = a ]; then
-  timeout 60 $B/test_comm > $OUT/test_comm.log 2>&1; echo "test_comm rc=$?"; grep -E '^\[  (PASSED|FAILED)' $OUT/test_comm.log
+  # Real ranks only: EP 4/8 as simulated ranks already pass on one GPU (scripts/gpu_simulated_ranks.sh).
+  export MOK_TEST_SIMULATE_RANKS=0
+  timeout 120 $B/test_comm > $OUT/test_comm.log 2>&1; echo "test_comm rc=$?"; grep -E '^\[  (PASSED|FAILED)' $OUT/test_comm.log
   timeout 240 $B/test_forward > $OUT/test_forward.log 2>&1; echo "test_forward rc=$?"; grep -E '^\[  (PASSED|FAILED)' $OUT/test_forward.log
+  unset MOK_TEST_SIMULATE_RANKS
   grep -E 'Failure|FAILED  \]' $OUT/test_forward.log | head -8
   timeout 250 $BF --comm 6,8,16 --fused-sum 1 --push 1 --push-sum 1 --out $OUT/forward-a.json > $OUT/bench-a.log 2>&1; echo "bench rc=$?"
   grep -E '^(gptoss|qwen3|dsv3)' $OUT/bench-a.log
