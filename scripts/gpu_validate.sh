@@ -22,8 +22,8 @@ build() {
   ninja -C $BUILD -j2 $TESTS mok_cli
   mkdir -p $BIN
   for t in $TESTS; do cp $BUILD/bin/$t $BIN/; done
-  ninja -C $BUILD -j2 bench_forward bench_comm
-  cp $BUILD/bin/mok $BUILD/bin/bench_forward $BUILD/bin/bench_comm $BUILD/src/host/libmok.so $BIN/
+  ninja -C $BUILD -j2 bench_forward bench_comm bench_gemm
+  cp $BUILD/bin/mok $BUILD/bin/bench_forward $BUILD/bin/bench_comm $BUILD/bin/bench_gemm $BUILD/src/host/libmok.so $BIN/
   du -sh $BIN
 }
 

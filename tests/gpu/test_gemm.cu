@@ -34,7 +34,8 @@ struct KnobValue {
   const char* value;
 };
 const KnobValue kKnobVariants[] = {
-    {"MOK_GEMM_DEFER_STAGGER", "0"}, {"MOK_GEMM_DEFER_STAGGER", "5"}, {"MOK_GEMM_DH_PREFETCH", "0"}};
+    {"MOK_GEMM_DEFER_STAGGER", "0"}, {"MOK_GEMM_DEFER_STAGGER", "5"}, {"MOK_GEMM_DH_PREFETCH", "0"},
+    {"MOK_GEMM_WIDE_TAILS", "1"}};
 
 // Sets an environment variable for the scope (restores the previous state after).
 class ScopedEnv {
@@ -353,12 +354,16 @@ void test_wgrad(const Shape& s, uint32_t seed) {
 const Shape kOdd{{130, 0, 1, 37, 300}, {0, 1, 0, 1, 0}, 192, 320};
 // GPT-OSS-like remainder: H = 2880 = 45*64 (45 K steps; 11.25 tiles of 256 columns).
 const Shape kRemainder{{200, 0, 77}, {}, 2880, 192};
+// Tails of 37, 64, 1 and 72 real rows, H = 704 (2.75 tiles of 256 columns): GEMM 2's wide tail
+// tiles (MOK_GEMM_WIDE_TAILS=1) pair blocks 0 and 1; block 2, partial, stays a plain tile.
+const Shape kTails{{37, 64, 129, 200, 1}, {}, 704, 192};
 // One huge expert (24 row tiles: several raster groups) among empty ones and a tiny one.
 const Shape kHuge{{3000, 0, 0, 5}, {}, 256, 256};
 
 TEST(GemmGrouped, ForwardOdd) { SKIP_WITHOUT_GPU(); test_forward(kOdd, 11); }
 TEST(GemmGrouped, ForwardRemainder) { SKIP_WITHOUT_GPU(); test_forward(kRemainder, 12); }
 TEST(GemmGrouped, ForwardHugeExpert) { SKIP_WITHOUT_GPU(); test_forward(kHuge, 13); }
+TEST(GemmGrouped, ForwardTails) { SKIP_WITHOUT_GPU(); test_forward(kTails, 14); }
 TEST(GemmGrouped, DgradOdd) { SKIP_WITHOUT_GPU(); test_dgrad(kOdd, 21); }
 TEST(GemmGrouped, DgradRemainder) { SKIP_WITHOUT_GPU(); test_dgrad(kRemainder, 22); }
 TEST(GemmGrouped, DgradHugeExpert) { SKIP_WITHOUT_GPU(); test_dgrad(kHuge, 23); }
