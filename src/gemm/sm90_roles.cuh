@@ -284,20 +284,25 @@ __device__ bool mma_mainloop_wide(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages
     cute::warpgroup_commit_batch();
     during_k_loop(k);
     cute::warpgroup_wait<1>();
-    cute::warpgroup_fence_operand(acc);
-    if (prev >= 0) {
-      release_stage(ss, prev, tid_in_wg);
-      if (wide) release_stage(ss, (prev + 1) % Cfg::kStages, tid_in_wg);
+    if (wide) {
+      // The ring holds only two pairs: keeping this pair until the next batch is issued would
+      // leave the producer no slot to prefetch into (every K step would wait for its TMA).
+      // Release it as soon as its batch retired instead.
+      cute::warpgroup_wait<0>();
+      cute::warpgroup_fence_operand(acc);
+      release_stage(ss, s0, tid_in_wg);
+      release_stage(ss, st.index, tid_in_wg);
+      st.advance();
+      continue;
     }
+    cute::warpgroup_fence_operand(acc);
+    if (prev >= 0) release_stage(ss, prev, tid_in_wg);
     prev = s0;
     st.advance();
   }
   cute::warpgroup_wait<0>();
   cute::warpgroup_fence_operand(acc);
-  if (prev >= 0) {
-    release_stage(ss, prev, tid_in_wg);
-    if (wide) release_stage(ss, (prev + 1) % Cfg::kStages, tid_in_wg);
-  }
+  if (prev >= 0) release_stage(ss, prev, tid_in_wg);
   return true;
 }
 
