@@ -6,6 +6,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 for w in 0 1; do
   MOK_GEMM_WIDE_TAILS=$w timeout 150 .devbin/gemm-trace/bench_gemm --shape dsv3 --segments random --quick \
     > $OUT/trace-wide$w.log 2>&1; echo "wide=$w rc=$?"
