@@ -42,8 +42,6 @@ void gemm2(const Gemm2Args& a, const Launch& launch, cudaStream_t stream) {
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(I / 64);
   p.hidden = static_cast<int>(H);
-  p.wide_tails = host::wide_tails();
-  if (p.wide_tails != 0) p.h64 = host::map_bf16(a.h, 0, R, I, 64, 64, "h");
   host::launch_row_kind<Gemm2Kind>(p, launch, stream);
 }
 

@@ -116,8 +116,6 @@ int defer_wg1_shift() { return env_int("MOK_GEMM_DEFER_STAGGER", kDeferWg1Shift,
 
 int dh_prefetch_ahead() { return env_int("MOK_GEMM_DH_PREFETCH", 2, 0, 1 << 20, "K steps before the end (0 = off)"); }
 
-int wide_tails() { return env_int("MOK_GEMM_WIDE_TAILS", 0, 0, 1, "0 (off) or 1 (on)"); }
-
 int group_m_override(int group_m) { return env_int("MOK_GEMM_GROUP_M", group_m, 1, 1 << 20, "a raster group of row tiles"); }
 
 bool env_is(const char* name, const char* value) {

@@ -56,10 +56,6 @@ int env_int(const char* name, int fallback, int lo, int hi, const char* what);
 int dh_prefetch_ahead();
 // MOK_GEMM_GROUP_M: the raster group of row tiles (measurement only), else `group_m`.
 int group_m_override(int group_m);
-// MOK_GEMM_WIDE_TAILS: 1 computes GEMM 2's tail tiles of <= 64 rows as wide tiles in the
-// standalone cluster-1 kernel (same bits; experiment, docs/gemm.md fifteenth session), 0 (the
-// default) does not.
-int wide_tails();
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
 
 }  // namespace mok::gemm::host

@@ -67,20 +67,8 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
   static_assert(decltype(cute::size(acc))::value == Cfg::kBN / 2, "64xBN fragment per thread");
-  constexpr bool kWide = WideTailKind<Kind>;
-  // Wide tail tiles: warpgroup 0's view of A (rows [0, 64)), read by both warpgroups.
-  [[maybe_unused]] auto tCrA0 = [&] {
-    if constexpr (kWide) {
-      auto thr0 = mma.get_thread_slice(ctid % kWarpGroupThreads);
-      return thr0.make_fragment_A(thr0.partition_A(smem_a(ss)));
-    } else {
-      return 0;
-    }
-  }();
 
   const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
-  // NOTE: warp-uniform for ptxas (a threadIdx-derived value near wgmma serialises it).
-  [[maybe_unused]] const int wg_uniform = kWide ? __shfl_sync(0xffffffffu, ctx.wg, 0) : 0;
 
   PipeState<Cfg::kStages> st;
   const int tiles = sched.num_tiles();
@@ -110,10 +98,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     Kind::seed(p, tile, ctx, acc);
     MOK_GEMM_MARK(p.err, mark_tile, 1, clock64());
     auto next = tile;
-    [[maybe_unused]] int wide = 0;
-    if constexpr (kWide) wide = Kind::wide_mode(p, tile);
-    // K steps (wgmma batches) of this tile; a wide tile's are over two ring slots each.
-    const int k_steps = kWide && wide == 2 ? 0 : Kind::k_steps(p, tile);
+    const int k_steps = Kind::k_steps(p, tile);
     // The batches after which the hook's work runs. The next tile's coordinates: after the
     // second batch (two batches, ~2k cycles, cover their ~1-3k cycles). Deferred epilogues:
     // the previous tile's store pieces and the next tile's coordinates each after their own
@@ -142,24 +127,12 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
         (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
       }(std::make_integer_sequence<int, kPieces - 1>{});
     };
-    if constexpr (kWide) {
-      const auto tA = wide == 1 ? tCrA0 : tCrA;
-      ok = mma_mainloop_wide<Cfg>(ss, st, k_steps, mma, tA, tCrB, acc, p.err, ctx.tid, wide == 1, wg_uniform,
-                                  during_k_loop);
-    } else {
-      ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
-    }
+    ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if constexpr (kDeferred) {
-      if constexpr (kWide) {
-        const RowTile et = Kind::wide_epilogue_tile(tile, wide, wg_uniform);
-        Kind::pack(p, et, ctx, acc, pending.packed);
-        pending.where = Kind::pending_of(et);
-      } else {
-        Kind::pack(p, tile, ctx, acc, pending.packed);
-        pending.where = Kind::pending_of(tile);
-      }
+      Kind::pack(p, tile, ctx, acc, pending.packed);
+      pending.where = Kind::pending_of(tile);
       pending.waiting = !tile.phantom;
     } else {
       if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);

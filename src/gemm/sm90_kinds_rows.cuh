@@ -230,20 +230,7 @@ struct Gemm2Params {
   ErrorSink err;
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5;  // deferred epilogue placement
   int defer_wg1_shift = kDeferWg1Shift;  // warpgroup 1's pieces this many batches later
-  // Wide tail tiles (developer knob MOK_GEMM_WIDE_TAILS=1, standalone cluster-1 kernel only;
-  // docs/gemm.md, fifteenth session): 0 = off (the fused forward always passes 0).
-  int wide_tails = 0;
-  CUtensorMap h64;     // h with a 64-row box: the A of a wide tail tile (set when wide_tails)
 };
-
-// A tail tile with at most 64 real rows computed "wide": both consumer warpgroups multiply the
-// same 64 A rows, warpgroup w by column block n + w (its next ring slot holds that B), so
-// column-block pair (n, n + 1) costs one tile of 8 + 2 x 32 KiB fills per K step instead of
-// two tiles of 16 + 32 KiB. Each output element sees the same wgmma and K order as in the
-// plain tile: the same bits. The tile list keeps its shape: tile (rt, n) with n even and
-// n + 1 < n_tiles is the wide tile, (rt, n + 1) runs no K loop and stores the zero padding
-// rows [64, 128) of both blocks.
-enum WideMode : int { kWideOff = 0, kWideTile = 1, kWidePartner = 2 };
 
 template <int C>
 struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major::kK, Major::kK, C>>,
@@ -266,42 +253,6 @@ struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major:
   template <class Acc>
   __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
     store_bf16_256(ctx, acc, &p.out, t, p.hidden);
-  }
-
-  // ---- wide tail tiles (see WideMode) ----
-  __device__ static int wide_mode(const Params& p, const RowTile& t) {
-    if (C != 1 || p.wide_tails == 0 || t.phantom || t.real_rows <= 0 || t.real_rows > 64) return kWideOff;
-    if (t.n_tile % 2 == 1) return kWidePartner;
-    return t.n_tile + 1 < p.sched.n_tiles ? kWideTile : kWideOff;
-  }
-  // Ring slots of a wide tile: 2k holds A (64 rows) and column block n, 2k + 1 block n + 1.
-  __device__ static uint32_t wide_stage_bytes(int slot) {
-    return slot % 2 == 0 ? 8192u + Cfg::kBBytes : static_cast<uint32_t>(Cfg::kBBytes);
-  }
-  __device__ static void load_wide_stage(const Params& p, const RowTile& t, int slot, uint8_t* a, uint8_t* b,
-                                         uint64_t* bar) {
-    const int k = slot / 2, n = t.n_tile + slot % 2;
-    if (slot % 2 == 0) tma_load_2d(&p.h64, bar, a, 64 * k, t.row0);
-#pragma unroll
-    for (int box = 0; box < 2; ++box) {
-      tma_load_3d(&p.w_down, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 256 * n + 128 * box, t.expert);
-    }
-  }
-  // The tile this warpgroup's epilogue writes, in the plain tile's terms (row0 + 64 wg, column
-  // block n_tile, rows below real_rows real): a wide tile's warpgroup w writes rows [0, 64) of
-  // block n + w; the partner's warpgroup w the zero rows [64, 128) of block n - 1 + w.
-  __device__ static RowTile wide_epilogue_tile(const RowTile& t, int mode, int wg) {
-    RowTile e = t;
-    if (mode == kWideTile) {
-      e.row0 -= 64 * wg;
-      e.n_tile += wg;
-      e.real_rows += 64 * wg;
-    } else if (mode == kWidePartner) {
-      e.row0 += 64 - 64 * wg;
-      e.n_tile += wg - 1;
-      e.real_rows = 0;
-    }
-    return e;
   }
 };
 

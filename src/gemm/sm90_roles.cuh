@@ -103,15 +103,6 @@ __device__ inline void skip_stages(PipeState<Stages>& st, int steps) {
 
 // ---- Producer ----------------------------------------------------------------------------
 
-// Kinds with wide tail tiles (Gemm2Kind: WideMode in sm90_kinds_rows.cuh).
-template <class Kind>
-concept WideTailKind = requires { &Kind::wide_mode; };
-
-// Ring slots of a tile: a wide tile takes two per K step, its partner none.
-__device__ inline int wide_ring_slots(int mode, int k_steps) {
-  return mode == 1 ? 2 * k_steps : mode == 2 ? 0 : k_steps;
-}
-
 // One thread issues every TMA load of the CTA. Returns early only on a timeout.
 template <class Kind, class Cfg, class Scheduler>
 __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>& ss,
@@ -123,12 +114,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
     MOK_GEMM_MARK(p.err, local, 5, clock64());
     const auto tile = Kind::tile(p, sched, t, rank, seg);
     Kind::producer_check(p, tile);
-    int k_steps = Kind::k_steps(p, tile);
-    [[maybe_unused]] int wide = 0;
-    if constexpr (WideTailKind<Kind>) {
-      wide = Kind::wide_mode(p, tile);
-      k_steps = wide_ring_slots(wide, k_steps);
-    }
+    const int k_steps = Kind::k_steps(p, tile);
     MOK_GEMM_MARK(p.err, local, 7, k_steps);
     MOK_GEMM_MARK(p.err, local, 8, clock64());
     (void)local;
@@ -136,15 +122,6 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       // With clusters the stage is free only once the consumers of every CTA released it
       // (our multicast writes into the peers' copies of the stage).
       if (!wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return;
-      if constexpr (WideTailKind<Kind>) {
-        if (wide == 1) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
-                                                                         Kind::wide_stage_bytes(k));
-          Kind::load_wide_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index]);
-          st.advance();
-          continue;
-        }
-      }
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
                                                                      Cfg::kStageBytes);
       Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
@@ -248,56 +225,6 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
     cute::warpgroup_fence_operand(acc);
     if (prev >= 0) release_stage(ss, prev, tid_in_wg);
     prev = st.index;
-    st.advance();
-  }
-  cute::warpgroup_wait<0>();
-  cute::warpgroup_fence_operand(acc);
-  if (prev >= 0) release_stage(ss, prev, tid_in_wg);
-  return true;
-}
-
-// mma_mainloop for kinds with wide tail tiles (WideMode, sm90_kinds_rows.cuh), every tile: a
-// wide tile's K step takes two ring slots (A rows [0, 64) and column block n in the first,
-// block n + 1 in the second); both warpgroups then read A through tA = warpgroup 0's A view,
-// and warpgroup `wg` (warp-uniform) multiplies by the B of slot wg. One wgmma site for both
-// kinds of tile: two K loops behind a branch made ptxas serialise wgmma (C7515). Same wgmma,
-// same K order as mma_mainloop.
-template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook>
-__device__ bool mma_mainloop_wide(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps, Mma& mma,
-                                  const FragA& tA, const FragB& tCrB, Acc& acc, const ErrorSink& err,
-                                  int tid_in_wg, bool wide, int wg, Hook during_k_loop) {
-  using cute::_;
-  int prev = -1;
-  if (k_steps <= 0) during_k_loop(-1);
-  for (int k = 0; k < k_steps; ++k) {
-    const int s0 = st.index;
-    if (!wait_barrier(&ss.bars.full[s0], st.phase, err)) return false;
-    int sb = s0;
-    if (wide) {
-      st.advance();
-      if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
-      if (wg != 0) sb = st.index;
-    }
-    cute::warpgroup_fence_operand(acc);
-    cute::warpgroup_arrive();
-    cute::gemm(mma, tA(_, _, _, s0), tCrB(_, _, _, sb), acc);
-    cute::warpgroup_commit_batch();
-    during_k_loop(k);
-    cute::warpgroup_wait<1>();
-    if (wide) {
-      // The ring holds only two pairs: keeping this pair until the next batch is issued would
-      // leave the producer no slot to prefetch into (every K step would wait for its TMA).
-      // Release it as soon as its batch retired instead.
-      cute::warpgroup_wait<0>();
-      cute::warpgroup_fence_operand(acc);
-      release_stage(ss, s0, tid_in_wg);
-      release_stage(ss, st.index, tid_in_wg);
-      st.advance();
-      continue;
-    }
-    cute::warpgroup_fence_operand(acc);
-    if (prev >= 0) release_stage(ss, prev, tid_in_wg);
-    prev = s0;
     st.advance();
   }
   cute::warpgroup_wait<0>();

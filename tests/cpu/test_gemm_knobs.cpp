@@ -60,18 +60,15 @@ TEST(GemmKnobs, DeferStaggerRejectsMalformedValues) {
 TEST(GemmKnobs, IntegerKnobsDefaultParseAndReject) {
   using mok::gemm::host::dh_prefetch_ahead;
   using mok::gemm::host::group_m_override;
-  using mok::gemm::host::wide_tails;
   {
-    ScopedEnv a("MOK_GEMM_DH_PREFETCH", nullptr), b("MOK_GEMM_GROUP_M", nullptr), c("MOK_GEMM_WIDE_TAILS", nullptr);
+    ScopedEnv a("MOK_GEMM_DH_PREFETCH", nullptr), b("MOK_GEMM_GROUP_M", nullptr);
     EXPECT_EQ(dh_prefetch_ahead(), 2);
     EXPECT_EQ(group_m_override(8), 8);
-    EXPECT_EQ(wide_tails(), 0);
   }
   {
-    ScopedEnv a("MOK_GEMM_DH_PREFETCH", "0"), b("MOK_GEMM_GROUP_M", "16"), c("MOK_GEMM_WIDE_TAILS", "1");
+    ScopedEnv a("MOK_GEMM_DH_PREFETCH", "0"), b("MOK_GEMM_GROUP_M", "16");
     EXPECT_EQ(dh_prefetch_ahead(), 0);
     EXPECT_EQ(group_m_override(8), 16);
-    EXPECT_EQ(wide_tails(), 1);
   }
   struct Bad {
     const char* name;
@@ -84,8 +81,6 @@ TEST(GemmKnobs, IntegerKnobsDefaultParseAndReject) {
       {"MOK_GEMM_GROUP_M", "0", [] { return group_m_override(8); }},
       {"MOK_GEMM_GROUP_M", "8x", [] { return group_m_override(8); }},
       {"MOK_GEMM_GROUP_M", "", [] { return group_m_override(8); }},
-      {"MOK_GEMM_WIDE_TAILS", "2", [] { return wide_tails(); }},
-      {"MOK_GEMM_WIDE_TAILS", "on", [] { return wide_tails(); }},
   };
   for (const Bad& c : bad) {
     ScopedEnv env(c.name, c.value);

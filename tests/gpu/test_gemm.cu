@@ -34,8 +34,7 @@ struct KnobValue {
   const char* value;
 };
 const KnobValue kKnobVariants[] = {
-    {"MOK_GEMM_DEFER_STAGGER", "0"}, {"MOK_GEMM_DEFER_STAGGER", "5"}, {"MOK_GEMM_DH_PREFETCH", "0"},
-    {"MOK_GEMM_WIDE_TAILS", "1"}};
+    {"MOK_GEMM_DEFER_STAGGER", "0"}, {"MOK_GEMM_DEFER_STAGGER", "5"}, {"MOK_GEMM_DH_PREFETCH", "0"}};
 
 // Sets an environment variable for the scope (restores the previous state after).
 class ScopedEnv {
@@ -354,8 +353,9 @@ void test_wgrad(const Shape& s, uint32_t seed) {
 const Shape kOdd{{130, 0, 1, 37, 300}, {0, 1, 0, 1, 0}, 192, 320};
 // GPT-OSS-like remainder: H = 2880 = 45*64 (45 K steps; 11.25 tiles of 256 columns).
 const Shape kRemainder{{200, 0, 77}, {}, 2880, 192};
-// Tails of 37, 64, 1 and 72 real rows, H = 704 (2.75 tiles of 256 columns): GEMM 2's wide tail
-// tiles (MOK_GEMM_WIDE_TAILS=1) pair blocks 0 and 1; block 2, partial, stays a plain tile.
+// Tails of 37, 64, 1 and 72 real rows, H = 704 (2.75 tiles of 256 columns): several tail tiles
+// of <= 64 rows per expert next to full ones (the case of the wide tail tiles tried on branch
+// exp/wide-tail-tiles, docs/gemm.md fifteenth session).
 const Shape kTails{{37, 64, 129, 200, 1}, {}, 704, 192};
 // One huge expert (24 row tiles: several raster groups) among empty ones and a tiny one.
 const Shape kHuge{{3000, 0, 0, 5}, {}, 256, 256};
