@@ -294,6 +294,9 @@ void trace_report(const char* name) {
   }
   double sum[10] = {}, total = 0, k = 0;
   int count = 0, tiles = 0;
+  // The same by the producer's ring-slot count of the tile (tiles of different K, padding tiles).
+  struct BySlots { long long slots; int n = 0; double tile = 0, kloop = 0, first = 0, epi = 0; };
+  std::vector<BySlots> by;
   for (int c = 0; c < kTraceCtas; ++c) {
     auto at = [&](int i, int slot) { return double(t[(size_t(c) * kTraceTiles + i) * kTraceSlots + slot]); };
     int n = 0;
@@ -313,33 +316,20 @@ void trace_report(const char* name) {
       total += at(i + 1, 0) - at(i, 0);
       k += at(i, 7);
       ++count;
+      const long long slots = static_cast<long long>(at(i, 7));
+      auto it = std::find_if(by.begin(), by.end(), [&](const BySlots& e) { return e.slots == slots; });
+      if (it == by.end()) it = by.insert(by.end(), BySlots{slots});
+      it->n++;
+      it->tile += at(i + 1, 0) - at(i, 0);
+      it->first += at(i, 2) - at(i, 1);
+      it->kloop += at(i, 3) - at(i, 2);
+      it->epi += at(i, 4) - at(i, 3);
     }
   }
   if (count == 0) { std::printf("trace %-16s no tiles recorded\n", name); return; }
-  // The same by the producer's ring-slot count of the tile (tiles of different K, padding
-  // tiles, GEMM 2's wide tail tiles at twice the K steps and their partners at 0).
-  {
-    struct By { int n = 0; double tile = 0, kloop = 0, first = 0, epi = 0; };
-    std::vector<std::pair<long long, By>> by;
-    for (int c = 0; c < kTraceCtas; ++c) {
-      auto at = [&](int i, int slot) { return double(t[(size_t(c) * kTraceTiles + i) * kTraceSlots + slot]); };
-      int n = 0;
-      while (n < kTraceTiles && at(n, 0) != 0) ++n;
-      for (int i = 1; i + 1 < n; ++i) {
-        const long long key = static_cast<long long>(at(i, 7));
-        auto it = std::find_if(by.begin(), by.end(), [&](const auto& e) { return e.first == key; });
-        if (it == by.end()) it = by.insert(by.end(), {key, By{}});
-        it->second.n++;
-        it->second.tile += at(i + 1, 0) - at(i, 0);
-        it->second.kloop += at(i, 3) - at(i, 2);
-        it->second.first += at(i, 2) - at(i, 1);
-        it->second.epi += at(i, 4) - at(i, 3);
-      }
-    }
-    for (const auto& [key, b] : by) {
-      std::printf("trace %-16s ring slots %3lld: %5d tiles, cycles/tile %7.0f (first stage %6.0f, K loop %7.0f, epilogue %6.0f)\n",
-                  name, key, b.n, b.tile / b.n, b.first / b.n, b.kloop / b.n, b.epi / b.n);
-    }
+  for (const BySlots& b : by) {
+    std::printf("trace %-16s ring slots %3lld: %5d tiles, cycles/tile %7.0f (first stage %6.0f, K loop %7.0f, epilogue %6.0f)\n",
+                name, b.slots, b.n, b.tile / b.n, b.first / b.n, b.kloop / b.n, b.epi / b.n);
   }
   const double tile = total / count;
   std::printf("trace %-16s %5.1f tiles/CTA, %4.1f K steps: cycles/tile %7.0f = seed %5.0f + first stage %5.0f + "

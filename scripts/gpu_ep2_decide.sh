@@ -16,10 +16,10 @@ nvidia-smi -L
 BF="$B/bench_forward --shapes gptoss,qwen3,dsv3 --iters 5"
 if [ "${1:-a}" = a ]; then
   # Real ranks only: EP 4/8 as simulated ranks already pass on one GPU (scripts/gpu_simulated_ranks.sh).
-  export MOK_TEST_SIMULATE_RANKS=0
-  timeout 120 $B/test_comm > $OUT/test_comm.log 2>&1; echo "test_comm rc=$?"; grep -E '^\[  (PASSED|FAILED)' $OUT/test_comm.log
-  timeout 240 $B/test_forward > $OUT/test_forward.log 2>&1; echo "test_forward rc=$?"; grep -E '^\[  (PASSED|FAILED)' $OUT/test_forward.log
-  unset MOK_TEST_SIMULATE_RANKS
+  MOK_TEST_SIMULATE_RANKS=0 timeout 120 $B/test_comm > $OUT/test_comm.log 2>&1; echo "test_comm rc=$?"
+  grep -E '^\[  (PASSED|FAILED)' $OUT/test_comm.log
+  MOK_TEST_SIMULATE_RANKS=0 timeout 240 $B/test_forward > $OUT/test_forward.log 2>&1; echo "test_forward rc=$?"
+  grep -E '^\[  (PASSED|FAILED)' $OUT/test_forward.log
   grep -E 'Failure|FAILED  \]' $OUT/test_forward.log | head -8
   timeout 250 $BF --comm 6,8,16 --fused-sum 1 --push 1 --push-sum 1 --out $OUT/forward-a.json > $OUT/bench-a.log 2>&1; echo "bench rc=$?"
   grep -E '^(gptoss|qwen3|dsv3)' $OUT/bench-a.log

@@ -23,6 +23,7 @@
 #include "comm/cuda_check.hpp"
 #include "comm/roles.hpp"
 #include "comm/simulated_group.hpp"
+#include "gemm/gemm_host.hpp"
 #include "host/simulated_ranks.hpp"
 #include "host/workspace_impl.hpp"
 #include "mok/api.hpp"
@@ -64,16 +65,12 @@ inline const bool kSimulatedRankEnv = [] {
 // It was 4 for a while: one first-barrier timeout at simulated ep 8 in a full test_forward run
 // (b8b35ba, 1 of ~40 ep 8 test runs); since 3e5edb5, 20 full test_forward runs (400 ep 8 test
 // runs) and 10 full test_comm runs (236) passed (docs/comm.md, launch mode (c)).
+// Parsed strictly (gemm::host::env_int throws, naming the variable): a typo must not silently
+// skip (or widen) the EP cases. Empty counts as unset.
 inline int simulate_max_ep() {
   const char* v = std::getenv("MOK_TEST_SIMULATE_MAX_EP");
-  if (v == nullptr || *v == '\0') return 8;
-  char* end = nullptr;
-  const long ep = std::strtol(v, &end, 10);
-  if (*end != '\0' || ep < 1 || ep > 8) {  // a typo must not silently skip (or widen) the EP cases
-    std::fprintf(stderr, "MOK_TEST_SIMULATE_MAX_EP: expected an integer in 1..8, got \"%s\"\n", v);
-    std::abort();
-  }
-  return static_cast<int>(ep);
+  if (v != nullptr && *v == '\0') return 8;
+  return gemm::host::env_int("MOK_TEST_SIMULATE_MAX_EP", 8, 1, 8, "an EP size");
 }
 inline bool simulating_ranks(int ep) {
   return ep > gpu_count() && gpu_count() >= 1 && simulation_allowed() && ep <= simulate_max_ep();
@@ -118,9 +115,6 @@ inline cudaStream_t rank_stream() {
 // rank stream (non-blocking) is not ordered after it. Call after uploads, before launches.
 inline void uploads_done() { MOK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
 
-// The config a simulated rank runs: every rank's grid (one fused CTA per SM) must be resident
-// beside the others', so the grid shrinks to fit ep of them (4 SMs spare) and the comm CTAs to
-// at most half of it. Any grid / comm CTA count gives the same bits (D2).
 inline int gpu0_sms() {
   int sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -128,6 +122,9 @@ inline int gpu0_sms() {
 }
 // CTAs each of `ep` simulated ranks may keep resident at once (one per SM, 4 SMs spare).
 inline int simulated_ctas_per_rank(int ep) { return (gpu0_sms() - 4) / ep; }
+// The config a simulated rank runs: every rank's grid (one fused CTA per SM) must be resident
+// beside the others', so the grid shrinks to fit ep of them and the comm CTAs to at most half
+// of it. Any grid / comm CTA count gives the same bits (D2).
 inline Config simulated_config(const LayerShape& s, Config c) {
   const int fit = std::max(2, simulated_ctas_per_rank(s.ep));
   c.grid_sms = std::min(c.grid_sms > 0 ? c.grid_sms : gpu0_sms(), fit);
@@ -137,7 +134,6 @@ inline Config simulated_config(const LayerShape& s, Config c) {
   return c;
 }
 
-// Workspace::create for rank `r` of a RankPool (NCCL communicator or simulated group).
 // Milliseconds since the first call (failure reports of simulated ranks carry them).
 inline double harness_ms() {
   static const auto t0 = std::chrono::steady_clock::now();
@@ -145,6 +141,7 @@ inline double harness_ms() {
 }
 inline thread_local double t_created_ms = -1;  // when this rank thread's last workspace was created
 
+// Workspace::create for rank `r` of a RankPool (NCCL communicator or simulated group).
 inline std::unique_ptr<Workspace> create_workspace(const LayerShape& s, const Config& cfg,
                                                    const bootstrap::LocalRank& r) {
   if (r.comm != nullptr) return Workspace::create(s, cfg, r.comm, r.device);
