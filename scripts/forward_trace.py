@@ -95,6 +95,16 @@ def report(path, t, bins):
         print(f"{name:4} {int(sel.sum()):6d} {work[sel].sum():9.2f} {work[sel].sum() / tot:11.3f} "
               f"{1e3 * work[sel].mean():11.1f} {1e3 * main[sel].mean():9.1f} {late[sel].sum():13.2f} "
               f"{late[sel].sum() / tot:11.3f}")
+    # Tiles with <= 64 real rows (the all-padding second warpgroup; FusedForwardOptions::
+    # skip_padding_wg) against the others, per kind (traces since f21a5d3 carry the real rows).
+    real = ((gemm[:, :, 5] >> 56) & 0xFF).astype(int)
+    if (real[valid] > 0).any():
+        parts = []
+        for k, name in enumerate(KINDS):
+            for label, sel in (("<=64", valid & (kind == k) & (real <= 64)), (">64", valid & (kind == k) & (real > 64))):
+                if sel.any():
+                    parts.append(f"{name} {label} {int(sel.sum())} x {1e3 * work[sel].mean():.1f}/{1e3 * main[sel].mean():.1f}")
+        print("by real rows (tasks x per tile us / K loop us): " + ", ".join(parts))
     busy, wait = work.sum(), late.sum()
     idle_end, idle_start = (span - last_end).sum(), first.sum()
     print(f"all  working {busy / tot:.3f} of GEMM CTA-time, waiting for inputs {wait / tot:.3f}, "

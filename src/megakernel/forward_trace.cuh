@@ -30,7 +30,7 @@ enum TaskField : int {
   kTaskTileBegin,    // consumer warpgroup 0: before seed (the previous tile's epilogue is done)
   kTaskMainloopEnd,  // consumer warpgroup 0: K loop done (it includes the wait for the first stage)
   kTaskEpilogueEnd,  // consumer warpgroup 0: stores issued, previous tile published
-  kTaskDesc,         // kind | minibatch << 8 | n_tile << 24 | row_tile << 40
+  kTaskDesc,         // kind | minibatch << 8 | n_tile << 24 | row_tile << 40 | real_rows << 56
   kTaskFields
 };
 inline constexpr int kMaxTasks = 1024;  // per GEMM CTA; tasks beyond are not recorded
@@ -63,12 +63,13 @@ __device__ __forceinline__ void task_stamp(const Sink& s, int cta, int j, TaskFi
 __device__ __forceinline__ void token_stamp(uint64_t* tokens, uint32_t u, TokenField f, uint64_t v) {
   if (tokens != nullptr) tokens[static_cast<int64_t>(u) * kTokenFields + f] = v;
 }
+// (row_tile < 2^16 and real_rows <= 128 fit their fields)
 __device__ __forceinline__ void task_desc(const Sink& s, int cta, int j, int kind, int minibatch, int n_tile,
-                                          int row_tile) {
+                                          int row_tile, int real_rows) {
   if (j < kMaxTasks) {
     s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + kTaskDesc] =
         static_cast<uint64_t>(kind) | static_cast<uint64_t>(minibatch) << 8 | static_cast<uint64_t>(n_tile) << 24 |
-        static_cast<uint64_t>(row_tile) << 40;
+        static_cast<uint64_t>(row_tile & 0xFFFF) << 40 | static_cast<uint64_t>(real_rows & 0xFF) << 56;
   }
 }
 #endif

@@ -311,7 +311,7 @@ __device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& 
       wait_for_inputs(p, t);
       MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitEnd);
                     trace::task_desc(p.trace, trace_cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile,
-                                     t.row_tile);)
+                                     t.row_tile, slot.tile.real_rows);)
     }
     q.slot = slot;
     cutlass::arch::ClusterBarrier::arrive(&q.full);  // release (CTA scope): the slot and the acquire above
@@ -430,7 +430,7 @@ __device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList
     if (lane == 0) wait_for_inputs(p, t);
     MOK_FWD_TRACE(if (threadIdx.x == 0) {
       trace::task_stamp(p.trace, cta, j, trace::kTaskWaitEnd);
-      trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile);
+      trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile, tile.real_rows);
     })
     __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' row reads after it
     const bool g1 = is_gemm1(t.kind);
