@@ -203,16 +203,11 @@ struct NoHook {
 // so work placed there (the next tile's coordinates, a deferred epilogue) overlaps the tensor
 // cores instead of delaying the next tile's first wgmma. It must not touch `acc`. Use
 // hook_slot() to pick the batch after which a piece of work runs.
-// compute == false (warp-uniform: this warpgroup's 64 rows of the tile are all padding; the
-// fused forward's skip_padding_wg): the same loop issues no wgmma, so `acc` keeps its seed;
-// stages are taken and released as before (the ring is unchanged). NOTE: one loop with the
-// issue behind the branch: a separate wgmma-free loop made ptxas serialise wgmma (C7515).
-// compute must be warp-uniform (a shuffled value), or ptxas serialises it anyway (C7518).
 template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                              const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1,
-                             Hook during_k_loop = {}, bool compute = true) {
+                             Hook during_k_loop = {}) {
   using cute::_;
   int prev = -1;
   (void)trace_tile;
@@ -222,11 +217,9 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
     if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cute::warpgroup_fence_operand(acc);
-    if (compute) {
-      cute::warpgroup_arrive();
-      cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);
-      cute::warpgroup_commit_batch();
-    }
+    cute::warpgroup_arrive();
+    cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);
+    cute::warpgroup_commit_batch();
     during_k_loop(k);
     cute::warpgroup_wait<1>();
     cute::warpgroup_fence_operand(acc);

@@ -100,9 +100,6 @@ struct FusedForwardParams {
   // (DispatchRole::ring_tiles). Needs the epilogue push of every row (expert_out is not
   // written). 0: every routed row tile has its own rows.
   int ring_tiles = 0;
-  // A consumer warpgroup whose rows of a tile are all padding skips its wgmma
-  // (FusedForwardOptions::skip_padding_wg).
-  bool skip_padding_wg = false;
   MOK_FWD_TRACE(trace::Sink trace;)
 };
 
@@ -609,13 +606,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
         has_fresh = false;
       }
     };
-    // A warpgroup whose 64 rows are all padding (a tail tile with <= 64 real rows) issues no
-    // wgmma: its epilogue stores the zeros of the seed, as the full K loop's masked store
-    // does, so the bits are the same. NOTE: warp-uniform (shuffled) for ptxas, which
-    // serialises wgmma behind a thread-dependent branch.
-    const bool compute = !p.skip_padding_wg || __shfl_sync(0xffffffffu, tile.real_rows > 64 * ctx.wg, 0);
     if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
-                                 during_k_loop, compute)) {
+                                 during_k_loop)) {
       break;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
