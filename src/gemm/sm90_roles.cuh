@@ -233,6 +233,21 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   return true;
 }
 
+// Takes and releases k_steps stages without reading them: a consumer warpgroup whose rows of
+// the tile are all padding (the fused forward's skip_padding_wg). No wgmma and no accumulator
+// here, so the K loop above stays one pipelined wgmma site (a branch around its wgmma issue
+// made ptxas serialise it: C7514).
+template <class Cfg>
+__device__ bool drain_stages(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps, const ErrorSink& err,
+                             int tid_in_wg) {
+  for (int k = 0; k < k_steps; ++k) {
+    if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
+    release_stage(ss, st.index, tid_in_wg);
+    st.advance();
+  }
+  return true;
+}
+
 // ---- Epilogue ----------------------------------------------------------------------------
 
 // Where one consumer thread's accumulator values sit. wgmma m64nN fragment, value i:
