@@ -20,7 +20,7 @@
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
 //                 [--push-sum 0|1] [--push-all-sum 0|1] [--sum-ctas S]
 //                 [--macrobatch ROWS] [--ring-ctas N] [--ring-sum 0|1] [--stage-x 0|1] [--alt-comm N]
-//                 [--plain-dispatch 0|1] [--wg-skip 0|1]
+//                 [--plain-dispatch 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -56,9 +56,7 @@
 // the sweep's count, and the default at N is one more variant (fwd_alt_comm_ms): counts compared
 // interleaved (one after the other, neighbouring counts swap places from run to run).
 // --plain-dispatch 1: the same with the plain pull dispatch (dedup off; combine and the rest as the
-// default; fwd_plain_dispatch_ms). --wg-skip 1: the same with the consumer warpgroups whose 64
-// rows of a tile are all padding skipping their wgmma (FusedForwardOptions::skip_padding_wg;
-// fwd_wg_skip_ms).
+// default; fwd_plain_dispatch_ms).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -101,7 +99,7 @@ struct Options {
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
        push_all_store = false, stage_x = false, plain_dispatch = false, push_sum = false, push_all_sum = false,
-       ring_sum = false, wg_skip = false;
+       ring_sum = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   int sum_ctas = 0;  // --sum-ctas S (> 0): the fused sum with all but S comm CTAs joining
@@ -151,7 +149,6 @@ Options parse(int argc, char** argv) {
     else if (k == "--push-sum") o.push_sum = std::stoi(v) != 0;
     else if (k == "--push-all-sum") o.push_all_sum = std::stoi(v) != 0;
     else if (k == "--ring-sum") o.ring_sum = std::stoi(v) != 0;
-    else if (k == "--wg-skip") o.wg_skip = std::stoi(v) != 0;
     else if (k == "--sum-ctas") o.sum_ctas = std::stoi(v);
     else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
     else if (k == "--alt-comm") o.alt_comm = std::stoi(v);
@@ -320,7 +317,6 @@ struct RankResult {
   std::map<int, double> fused_push_all_sum_ms;  // --push-all with the fused top-k sum (--push-all-sum 1)
   std::map<int, double> fused_macrobatch_sum_ms;  // the ring with the fused top-k sum (--ring-sum 1)
   std::map<int, double> fused_sum_ctas_ms;        // the fused sum, S comm CTAs not joining (--sum-ctas S)
-  std::map<int, double> fused_wg_skip_ms;  // all-padding consumer warpgroups skipping their wgmma (--wg-skip 1)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
@@ -431,8 +427,6 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.fused_topk_sum = true;
        },
        "-push-all-sum"},
-      {o.wg_skip, &res.fused_wg_skip_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.skip_padding_wg = 1; }, "-wg-skip"},
       {o.sum_ctas > 0, &res.fused_sum_ctas_ms,
        [](megakernel::FusedForwardOptions& fo, const Options& op) {
          fo.fused_topk_sum = true;
@@ -635,12 +629,11 @@ int main(int argc, char** argv) {
     const bool ring_sum = o.macrobatch > 0 && o.ring_sum;
     const double best_sum_ctas = variant(o.sum_ctas > 0, "sum_ctas", &RankResult::fused_sum_ctas_ms);
     const double best_macrobatch_sum = variant(ring_sum, "macrobatch_sum", &RankResult::fused_macrobatch_sum_ms);
-    const double best_wg_skip = variant(o.wg_skip, "wg_skip", &RankResult::fused_wg_skip_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
         o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch ||
-        o.push_sum || o.push_all_sum || o.sum_ctas > 0 || o.wg_skip)
+        o.push_sum || o.push_all_sum || o.sum_ctas > 0)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
     if (o.plain_dispatch) {
@@ -666,10 +659,6 @@ int main(int argc, char** argv) {
     if (ring_sum) {
       std::printf("%-7s macrobatch ring with the top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), best_macrobatch_sum, ps ? "yes" : "NO");
-    }
-    if (o.wg_skip) {
-      std::printf("%-7s all-padding warpgroups skipping their wgmma: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_wg_skip, ps ? "yes" : "NO");
     }
     if (o.fused_sum) {
       std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),

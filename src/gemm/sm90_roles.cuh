@@ -233,27 +233,6 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   return true;
 }
 
-// Takes and releases k_steps stages without reading them: a consumer warpgroup whose rows of
-// the tile are all padding (the fused forward's skip_padding_wg). No wgmma and no accumulator
-// here, so the K loop above stays one pipelined wgmma site (a branch around its wgmma issue
-// made ptxas serialise it: C7514). It keeps in step with the other warpgroup: a stage counts
-// as done once the other released it too (the empty barrier's phase of this round completed,
-// cluster 1 only). Running ahead instead left the two warpgroups a few stages apart for the
-// following tiles, and the producer refills a slot only when the later one releases it: the
-// plain tiles after it lost 8-10 % (measured, sixteenth session).
-template <class Cfg>
-__device__ bool drain_stages(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps, const ErrorSink& err,
-                             int tid_in_wg) {
-  static_assert(Cfg::kClusterM == 1, "in step through this CTA's empty barriers only");
-  for (int k = 0; k < k_steps; ++k) {
-    if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
-    release_stage(ss, st.index, tid_in_wg);
-    if (!wait_barrier(&ss.bars.empty[st.index], st.phase, err)) return false;
-    st.advance();
-  }
-  return true;
-}
-
 // ---- Epilogue ----------------------------------------------------------------------------
 
 // Where one consumer thread's accumulator values sit. wgmma m64nN fragment, value i:

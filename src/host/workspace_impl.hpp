@@ -51,9 +51,6 @@ struct Workspace::Impl {
   // Fused path with the macrobatch ring: comm CTAs that dispatch past the first ring window
   // (FusedForwardOptions::ring_comm_ctas; -1 automatic, 0 all). Same bits.
   int ring_comm_ctas = -1;
-  // Fused path: all-padding consumer warpgroups skip their wgmma
-  // (FusedForwardOptions::skip_padding_wg; -1 automatic, 0 off, 1 on). Same bits.
-  int skip_padding_wg = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
   // Simulated ranks (host/simulated_ranks.hpp): the group this rank belongs to (it outlives the
   // workspace) and the rank in it; null with an NCCL communicator.

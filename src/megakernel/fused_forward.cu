@@ -197,15 +197,6 @@ bool resolve_epilogue_push(const FusedForwardOptions& o) {
   return o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
 }
 
-// Whether all-padding consumer warpgroups skip their wgmma (FusedForwardOptions::skip_padding_wg).
-bool resolve_skip_padding_wg(const FusedForwardOptions& o) {
-  if (o.skip_padding_wg < -1 || o.skip_padding_wg > 1) {
-    throw_invalid("FusedForwardOptions.skip_padding_wg", "-1 (automatic), 0 (off) or 1 (on)",
-                  std::to_string(o.skip_padding_wg));
-  }
-  return o.skip_padding_wg == 1;  // automatic: off until measured (docs/megakernel.md, sixteenth session)
-}
-
 // Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
 // The combine has rows to move unless every row is the own rank's and read in place, or GEMM 2's
 // epilogues push them; otherwise at least one comm CTA must stay to combine. With the epilogue
@@ -369,7 +360,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.next_task = p.s2_done + shared_tiles + 1;  // after the top-k sum's counter (ForwardBuffers::tile_counters)
   p.combine_ctas = o.comm_ctas - join;
   p.task_counter = o.task_counter != 0;
-  p.skip_padding_wg = resolve_skip_padding_wg(o);
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
   p.dispatch = state.dispatch_role(o.dedup, o.token_major);

@@ -85,12 +85,6 @@ struct FusedForwardOptions {
   // Measurement only: stage x into the window at EP 1 too (by default the dispatch reads the
   // caller's x there, DispatchRole::own_x; bench_forward --stage-x 1 times the copy it saves).
   bool stage_x = false;
-  // A consumer warpgroup whose 64 rows of a tile are all padding (a tail tile with <= 64 real
-  // rows) issues no wgmma; its epilogue stores the same zeros. Same bits. The third session's
-  // try in the round-robin hand-out lost 1.2-1.4x (docs/gemm.md, v6); with the tasks handed
-  // out in list order it is measured again (docs/megakernel.md, sixteenth session). -1
-  // (default): automatic (off until measured); 0 off; 1 on.
-  int skip_padding_wg = -1;
 };
 
 // One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the

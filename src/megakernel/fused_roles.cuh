@@ -100,9 +100,6 @@ struct FusedForwardParams {
   // (DispatchRole::ring_tiles). Needs the epilogue push of every row (expert_out is not
   // written). 0: every routed row tile has its own rows.
   int ring_tiles = 0;
-  // A consumer warpgroup whose rows of a tile are all padding skips its wgmma
-  // (FusedForwardOptions::skip_padding_wg).
-  bool skip_padding_wg = false;
   MOK_FWD_TRACE(trace::Sink trace;)
 };
 
@@ -597,14 +594,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     const char* push_dst = push ? push_row_dst(p.push, t.row_tile * gemm::kRowTileRows, tile.real_rows, ctx) : nullptr;
     // After this task's first batch (or once, without K steps): publish `pending` (its stores
     // are older than the last epilogue's groups), `fresh` moves up.
-    // A warpgroup whose 64 rows are all padding (a tail tile with <= 64 real rows) issues no
-    // wgmma: its K loop runs no step (publishing like a task without K steps) and it then
-    // drains the tile's stages; its epilogue stores the zeros of the seed, as the full K
-    // loop's masked store does, so the bits are the same. NOTE: warp-uniform (shuffled) for
-    // ptxas.
-    const bool compute = !p.skip_padding_wg || __shfl_sync(0xffffffffu, tile.real_rows > 64 * ctx.wg, 0);
-    const int mma_steps = compute ? k_steps : 0;
-    const int publish_at = gemm::hook_slot(0, mma_steps);
+    const int publish_at = gemm::hook_slot(0, k_steps);
     auto during_k_loop = [&](int k) {
       if (k == publish_at && ctx.tid == 0 && has_fresh) {
         if (pending.counter != nullptr) {
@@ -616,11 +606,10 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
         has_fresh = false;
       }
     };
-    if (!gemm::mma_mainloop<Cfg>(ss, st, mma_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
                                  during_k_loop)) {
       break;
     }
-    if (!compute && !gemm::drain_stages<Cfg>(ss, st, k_steps, p1.err, ctx.tid)) break;
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
     if (g1) {
       // With the macrobatch ring only the last ring_tiles row tiles keep their saved g, u (the
