@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -126,6 +127,15 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
     RankData d = upload_rank(p, r.rank);
     cudaStream_t stream = rank_stream();
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    // This rank's passes so far: when each was launched, when the host calls returned and when
+    // it was checked (ms on the harness clock). A failure prints them, which tells a host call
+    // that blocked (enqueued late) from kernels that did not start (checked late).
+    std::string passes;
+    auto stamp = [](double ms) {
+      char b[32];
+      std::snprintf(b, sizeof b, "%.1f", ms);
+      return std::string(b);
+    };
     for (size_t c = 0; c < configs.size(); ++c) {
       auto ws = create_workspace(s, configs[c], r);
       if (path) ws->impl().forward_path = *path;
@@ -134,12 +144,17 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
         const double launched = harness_ms();
         schedule(*ws, d.idx.get(), stream);
         forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, stream);
+        const double enqueued = harness_ms();
+        passes += " [config " + std::to_string(c) + " pass " + std::to_string(i) + ": launched " + stamp(launched) +
+                  ", enqueued " + stamp(enqueued);
         try {
           ws->check();
         } catch (const Error& e) {
           throw Error(e.status(), "config " + std::to_string(c) + ", pass " + std::to_string(i) + " (launched at " +
-                                      std::to_string(launched) + " ms): " + e.what());
+                                      std::to_string(launched) + " ms): " + e.what() + "; this rank's passes (ms):" +
+                                      passes + ", failed " + stamp(harness_ms()) + "]");
         }
+        passes += ", checked " + stamp(harness_ms()) + "]";
         auto& y = out[c][i][r.rank];
         y.resize(d.y.size());
         MOK_CUDA_CHECK(cudaMemcpy(y.data(), d.y.get(), d.y.bytes(), cudaMemcpyDeviceToHost));
