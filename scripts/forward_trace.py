@@ -95,8 +95,8 @@ def report(path, t, bins):
         print(f"{name:4} {int(sel.sum()):6d} {work[sel].sum():9.2f} {work[sel].sum() / tot:11.3f} "
               f"{1e3 * work[sel].mean():11.1f} {1e3 * main[sel].mean():9.1f} {late[sel].sum():13.2f} "
               f"{late[sel].sum() / tot:11.3f}")
-    # Tiles with <= 64 real rows (the all-padding second warpgroup; FusedForwardOptions::
-    # skip_padding_wg) against the others, per kind (traces since f21a5d3 carry the real rows).
+    # Tiles with <= 64 real rows (their second consumer warpgroup computes only padding rows)
+    # against the others, per kind (traces since d339d83 carry the real rows).
     real = ((gemm[:, :, 5] >> 56) & 0xFF).astype(int)
     if (real[valid] > 0).any():
         parts = []

@@ -150,9 +150,8 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
         try {
           ws->check();
         } catch (const Error& e) {
-          throw Error(e.status(), "config " + std::to_string(c) + ", pass " + std::to_string(i) + " (launched at " +
-                                      std::to_string(launched) + " ms): " + e.what() + "; this rank's passes (ms):" +
-                                      passes + ", failed " + stamp(harness_ms()) + "]");
+          throw Error(e.status(), "config " + std::to_string(c) + ", pass " + std::to_string(i) + ": " + e.what() +
+                                      "; this rank's passes (ms):" + passes + ", failed " + stamp(harness_ms()) + "]");
         }
         passes += ", checked " + stamp(harness_ms()) + "]";
         auto& y = out[c][i][r.rank];
