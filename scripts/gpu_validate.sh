@@ -61,15 +61,15 @@ run() {
   step torchrun          40 $TR --no-python --nproc_per_node=$NGPU --master_port 29571 $BIN/test_comm_torchrun
   step memcheck_gemm     60 $SAN --tool memcheck $BIN/test_gemm --gtest_filter='*SanitizerSmall*'
   step racecheck_gemm    60 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*'
-  step memcheck_forward 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*wide_tails_ep1'
-  step racecheck_forward 300 $SAN --tool racecheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*wide_tails_ep1'
+  step memcheck_forward 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
+  step racecheck_forward 300 $SAN --tool racecheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
   step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'
   step memcheck_comm    120 $SAN --tool memcheck $BIN/test_comm --gtest_filter='Ep1/CommPipeline.*:Ep1/CommEngines.*AllTokens*'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
   # EP 2 as simulated ranks on one GPU (tests/gpu/test_comm_harness.cuh): every peer pointer is
   # on this device, so memcheck sees the cross-rank stores too. Only with fewer GPUs than 2.
   if [ "$NGPU" -lt 2 ]; then
-    step memcheck_fwd_sim 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep2:Ep/ForwardMacrobatch.*topk8_ep2:Ep/FusedVsStaged.*wide_tails_ep2'
+    step memcheck_fwd_sim 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep2:Ep/ForwardMacrobatch.*topk8_ep2:Ep/FusedVsStaged.*tails_blocks_ep2'
   fi
   if [ "${BENCH:-0}" = 1 ]; then
     step bench_forward  300 $BIN/bench_forward ${BENCH_FORWARD_ARGS:---shapes dsv3 --comm 8,12,16,24} --out "$OUT/forward.json"

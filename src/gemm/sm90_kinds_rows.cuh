@@ -246,10 +246,6 @@ struct Gemm2Kind : RowKindBase<Gemm2Kind<C>, TileConfig<256, kPipeStages, Major:
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {
     tma_load_2d(&p.h, bar, a, 64 * k, t.row0);
-    load_b(p, t, k, b, bar, rank);
-  }
-  // B alone (the fused forward's wide tail tiles load A with a 64-row box, fused_roles.cuh).
-  __device__ static void load_b(const Params& p, const RowTile& t, int k, uint8_t* b, uint64_t* bar, int rank) {
     load_b_boxes<C, 2>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(&p.w_down, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 256 * t.n_tile + 128 * box, t.expert, mask);
     });

@@ -63,7 +63,6 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.task_counter = impl.task_counter;
     options.epilogue_push = impl.epilogue_push;
     options.ring_comm_ctas = impl.ring_comm_ctas;
-    options.wide_tails = impl.wide_tails;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;

@@ -197,18 +197,6 @@ bool resolve_epilogue_push(const FusedForwardOptions& o) {
   return o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
 }
 
-// Whether routed tail tiles of <= 64 real rows run wide (FusedForwardOptions::wide_tails).
-bool resolve_wide_tails(const FusedForwardOptions& o) {
-  if (o.wide_tails < -1 || o.wide_tails > 1) {
-    throw_invalid("FusedForwardOptions.wide_tails", "-1 (automatic), 0 (off) or 1 (on)", std::to_string(o.wide_tails));
-  }
-  if (o.wide_tails == 1 && o.token_major) {
-    throw_invalid("FusedForwardOptions.wide_tails", "0 or -1 with token_major (its gathering producer loads whole row tiles)",
-                  "1");
-  }
-  return o.wide_tails == 1;  // automatic: off until measured side by side (docs/megakernel.md)
-}
-
 // Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
 // The combine has rows to move unless every row is the own rank's and read in place, or GEMM 2's
 // epilogues push them; otherwise at least one comm CTA must stay to combine. With the epilogue
@@ -336,11 +324,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   // (with the ring expert_out is one row tile that no store reaches: every row is pushed)
   p.routed2 = gemm2_params_for(b.h.get(), resident, w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err);
   p.ring_tiles = b.ring() ? static_cast<int>(resident / kRowTile) : 0;
-  if (resolve_wide_tails(o)) {  // the routed A operands again, with a 64-row box
-    p.wide.on = true;
-    p.wide.x64 = gemm::host::map_bf16(state.row_buffer(), 0, resident, H, 64, 64, "row buffer (64-row box)");
-    p.wide.h64 = gemm::host::map_bf16(b.h.get(), 0, resident, I, 64, 64, "h (64-row box)");
-  }
   p.routed1.sched.offsets = b.seg_offsets.get();  // expert_of / real rows of a routed row tile
   p.routed1.sched.rows = b.seg_rows.get();
   p.routed1.sched.experts = static_cast<int>(E);
@@ -558,7 +541,6 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   const FusedForwardOptions o = resolve_ring(state, b, options);
   const int grid = resolve_grid(o);
   const int join = resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
-  resolve_wide_tails(o);
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)

@@ -82,11 +82,6 @@ struct FusedForwardOptions {
   // (resolve_ring, fused_forward.cu: enough for GEMM 1's pace, dsv3 5, gptoss 4, qwen3 14);
   // 0: all of them; N: min(N, comm_ctas).
   int ring_comm_ctas = -1;
-  // Wide tail tiles (fused_roles.cuh, WideMode): a routed row tile with at most 64 real rows
-  // computes its column blocks in pairs, both consumer warpgroups on the same 64 A rows, each on
-  // its own column block (8 + 2 x 32 KiB of fill per K step instead of 2 x 48 KiB). Same bits.
-  // -1 (default): automatic (off until measured side by side); 0 off; 1 on. Not with token_major.
-  int wide_tails = -1;
   // Measurement only: stage x into the window at EP 1 too (by default the dispatch reads the
   // caller's x there, DispatchRole::own_x; bench_forward --stage-x 1 times the copy it saves).
   bool stage_x = false;

@@ -66,24 +66,6 @@ struct GatherParams {
   int rank = 0;
 };
 
-// Wide tail tiles (FusedForwardOptions::wide_tails; docs/megakernel.md, seventeenth session):
-// a routed row tile with at most 64 real rows computes its column blocks in pairs. Task (rt, n),
-// n even with n + 1 < n_tiles, is the WIDE tile: both consumer warpgroups multiply the same 64
-// A rows (one 64-row box, 8 KiB), warpgroup w by column block n + w, whose B sits in the second
-// of the K step's two ring slots for w = 1. Task (rt, n + 1) is its PARTNER: no K loop, its
-// warpgroup w stores the zero padding rows [64, 128) of block n + w. Per K step a pair costs
-// 8 + 2 x 32 KiB of fill instead of 2 x 48 KiB (the tail tiles are bound by the fill, not by the
-// tensor cores: docs/gemm.md). Every output element sees the same wgmma (m64n256k16), the same
-// A and B bytes and the same K order as in the plain tile: the same bits. Each task still
-// publishes +1 per warpgroup, so every completion counter and its target stay as they are.
-enum WideMode : int { kWideOff = 0, kWideTile = 1, kWidePartner = 2 };
-struct WideTails {
-  bool on = false;
-  CUtensorMap x64;  // the routed row buffer with a 64-row box (routed1.x's rows)
-  CUtensorMap h64;  // the routed h with a 64-row box (routed2.h's rows)
-};
-inline constexpr uint32_t kWideABytes = 64 * 64 * 2;  // one 64-row A box per wide K step
-
 struct FusedForwardParams {
   gemm::Gemm1SwigluParams shared1, routed1;  // routed1.sched: the expert segments (int32)
   gemm::Gemm2Params shared2, routed2;
@@ -118,7 +100,6 @@ struct FusedForwardParams {
   // (DispatchRole::ring_tiles). Needs the epilogue push of every row (expert_out is not
   // written). 0: every routed row tile has its own rows.
   int ring_tiles = 0;
-  WideTails wide;  // wide tail tiles (FusedForwardOptions::wide_tails); off: every tile plain
   MOK_FWD_TRACE(trace::Sink trace;)
 };
 
@@ -172,8 +153,7 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 struct TaskSlot {
   Task task;
   gemm::RowTile tile;
-  int k_steps;  // kEndOfTasks: no task left, the consumers stop. A wide tile's take two ring slots each.
-  int wide;     // WideMode
+  int k_steps;  // kEndOfTasks: no task left, the consumers stop
 };
 inline constexpr int kEndOfTasks = -1;
 // The slots live in the barrier block's segment-table space (SharedStorage::seg_offsets): the
@@ -217,7 +197,6 @@ __device__ __forceinline__ TaskSlot read_task_slot(const TaskSlot& in) {
   s.tile.shared_b = u(in.tile.shared_b) != 0;
   s.tile.any_real = u(in.tile.any_real) != 0;
   s.k_steps = u(in.k_steps);
-  s.wide = u(in.wide);
   return s;
 }
 
@@ -262,43 +241,21 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
 // All K stages of one tile into the ring (the loop body of gemm::tma_producer).
 // The slot goes with the first stage (see TaskSlot); a task without K steps sends one stage
 // without loads.
-// A wide tile (WideMode) fills two slots per K step: the 64-row A box (`a64`) and column block
-// n's B, then block n + 1's B.
 template <class Kind>
-__device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSlot& slot, const CUtensorMap* a64,
+__device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSlot& slot,
                                     gemm::SharedStorage<Cfg>& ss, gemm::PipeState<Cfg::kStages>& st) {
-  const bool wide = slot.wide == kWideTile;
-  const int stages = wide ? 2 * slot.k_steps : max(slot.k_steps, 1);
-  for (int i = 0; i < stages; ++i) {
+  for (int k = 0; k < max(slot.k_steps, 1); ++k) {
     if (!gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return false;
-    if (i == 0) task_slots(ss)[st.index] = slot;
-    uint64_t* full = &ss.bars.full[st.index];
+    if (k == 0) task_slots(ss)[st.index] = slot;
     if (slot.k_steps == 0) {
-      cutlass::arch::ClusterBarrier::arrive(full);
-    } else if (wide) {
-      const int k = i / 2;
-      gemm::RowTile t = slot.tile;
-      if (i % 2 == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kWideABytes + Cfg::kBBytes);
-        gemm::tma_load_2d(a64, full, ss.a[st.index], 64 * k, t.row0);
-      } else {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
-        t.n_tile += 1;
-      }
-      Kind::load_b(p, t, k, ss.b[st.index], full, 0);
+      cutlass::arch::ClusterBarrier::arrive(&ss.bars.full[st.index]);
     } else {
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
-      Kind::load_stage(p, slot.tile, i, ss.a[st.index], ss.b[st.index], full, 0);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index], Cfg::kStageBytes);
+      Kind::load_stage(p, slot.tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], 0);
     }
     st.advance();
   }
   return true;
-}
-
-__device__ inline int wide_mode(const FusedForwardParams& p, const Task& t, const gemm::RowTile& tile) {
-  if (!p.wide.on || is_shared(t.kind) || tile.real_rows <= 0 || tile.real_rows > 64) return kWideOff;
-  if (t.n_tile % 2 == 1) return kWidePartner;
-  return t.n_tile + 1 < (is_gemm1(t.kind) ? p.tasks.n1 : p.tasks.n2) ? kWideTile : kWideOff;
 }
 
 __device__ inline TaskSlot task_slot(const FusedForwardParams& p, const Task& t) {
@@ -307,8 +264,6 @@ __device__ inline TaskSlot task_slot(const FusedForwardParams& p, const Task& t)
   s.tile = tile_of(p, t);
   s.k_steps = is_gemm1(t.kind) ? G1Kind::k_steps(gemm1_params(p, t.kind), s.tile)
                                : G2Kind::k_steps(gemm2_params(p, t.kind), s.tile);
-  s.wide = wide_mode(p, t, s.tile);
-  if (s.wide == kWidePartner) s.k_steps = 0;
   return s;
 }
 
@@ -374,8 +329,8 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, gemm::SharedSt
     // thread's proxy fence and its TMA loads (async proxy).
     fence_proxy_async_global();
     const TaskKind kind = slot.task.kind;
-    const bool ok = is_gemm1(kind) ? produce_tile<G1Kind>(gemm1_params(p, kind), slot, &p.wide.x64, ss, st)
-                                   : produce_tile<G2Kind>(gemm2_params(p, kind), slot, &p.wide.h64, ss, st);
+    const bool ok = is_gemm1(kind) ? produce_tile<G1Kind>(gemm1_params(p, kind), slot, ss, st)
+                                   : produce_tile<G2Kind>(gemm2_params(p, kind), slot, ss, st);
     if (!ok) return;
   }
   send_end_of_tasks(ss, st, p.routed1.err, true, true);
@@ -576,71 +531,6 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
   return nullptr;
 }
 
-// gemm::mma_mainloop for the fused consumers, with wide tail tiles (WideMode): a wide K step
-// takes two ring slots (the 64-row A box and block n's B, then block n + 1's B); both
-// warpgroups read A through `tA` (warpgroup 0's view) and warpgroup `wg` (warp-uniform)
-// multiplies by slot wg's B. One wgmma site for every task: a second K loop behind a branch
-// made ptxas serialise every wgmma (C7515, docs/gemm.md). A wide step's two slots are released
-// as soon as its batch retired: the ring holds only two pairs, and keeping one until the next
-// batch left the producer nothing to prefetch into (docs/gemm.md, fifteenth session).
-template <class Mma, class FragA, class FragB, class Acc, class Hook>
-__device__ bool fused_mainloop(gemm::SharedStorage<Cfg>& ss, gemm::PipeState<Cfg::kStages>& st, int k_steps,
-                               Mma& mma, const FragA& tA, const FragB& tCrB, Acc& acc, const gemm::ErrorSink& err,
-                               int tid_in_wg, bool proxy_fence, bool wide, int wg, Hook during_k_loop) {
-  using cute::_;
-  int prev = -1;
-  if (k_steps <= 0) during_k_loop(-1);
-  for (int k = 0; k < k_steps; ++k) {
-    const int s0 = st.index;
-    if (!gemm::wait_barrier(&ss.bars.full[s0], st.phase, err)) return false;
-    int sb = s0;
-    if (wide) {
-      st.advance();
-      if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
-      if (wg != 0) sb = st.index;
-    }
-    if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    cute::warpgroup_fence_operand(acc);
-    cute::warpgroup_arrive();
-    cute::gemm(mma, tA(_, _, _, s0), tCrB(_, _, _, sb), acc);
-    cute::warpgroup_commit_batch();
-    during_k_loop(k);
-    cute::warpgroup_wait<1>();
-    if (wide) {
-      cute::warpgroup_wait<0>();
-      cute::warpgroup_fence_operand(acc);
-      gemm::release_stage(ss, s0, tid_in_wg);
-      gemm::release_stage(ss, st.index, tid_in_wg);
-      st.advance();
-      continue;
-    }
-    cute::warpgroup_fence_operand(acc);
-    if (prev >= 0) gemm::release_stage(ss, prev, tid_in_wg);
-    prev = s0;
-    st.advance();
-  }
-  cute::warpgroup_wait<0>();
-  cute::warpgroup_fence_operand(acc);
-  if (prev >= 0) gemm::release_stage(ss, prev, tid_in_wg);
-  return true;
-}
-
-// The tile a warpgroup's epilogue writes, in the plain tile's terms (rows row0 + 64 wg ..,
-// column block n_tile, rows below real_rows real): a wide tile's warpgroup w writes rows
-// [0, 64) of block n + w; its partner's warpgroup w the zero rows [64, 128) of block n - 1 + w.
-__device__ __forceinline__ gemm::RowTile wide_epilogue_tile(gemm::RowTile t, int mode, int wg) {
-  if (mode == kWideTile) {
-    t.row0 -= 64 * wg;
-    t.n_tile += wg;
-    t.real_rows += 64 * wg;
-  } else if (mode == kWidePartner) {
-    t.row0 += 64 - 64 * wg;
-    t.n_tile += wg - 1;
-    t.real_rows = 0;
-  }
-  return t;
-}
-
 // Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
 // over, until its end slot). `trace_cta`: this CTA's trace row.
 __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
@@ -652,13 +542,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   auto tCrA = thr.make_fragment_A(thr.partition_A(gemm::smem_a(ss)));
   auto tCrB = thr.make_fragment_B(thr.partition_B(gemm::smem_b(ss)));
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
-  // Warpgroup 0's view of A (rows [0, 64)): both warpgroups read it in a wide tail tile.
-  auto thr0 = mma.get_thread_slice(ctid % gemm::kWarpGroupThreads);
-  auto tCrA0 = thr0.make_fragment_A(thr0.partition_A(gemm::smem_a(ss)));
 
   const gemm::EpiCtx ctx = gemm::make_epi_ctx(ss, ctid / gemm::kWarpGroupThreads, ctid % gemm::kWarpGroupThreads);
-  // NOTE: warp-uniform for ptxas (a threadIdx-derived value near wgmma serialises it).
-  const int wg_uniform = __shfl_sync(0xffffffffu, ctx.wg, 0);
 
   gemm::PipeState<Cfg::kStages> st;
   // Meaningful in thread 0 of the warpgroup only: `pending` = the tile before the last one
@@ -693,9 +578,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     const TaskSlot slot = read_task_slot(slots[st.index]);
     if (slot.k_steps == kEndOfTasks) break;  // (its TileBegin stamp alone: the trace reader skips it)
     const Task& t = slot.task;
-    // This warpgroup's tile for the epilogue (and the push): the task's, or its part of a wide
-    // tail tile or of its partner.
-    const gemm::RowTile tile = wide_epilogue_tile(slot.tile, slot.wide, wg_uniform);
+    const gemm::RowTile& tile = slot.tile;
     const int k_steps = slot.k_steps;
     const bool g1 = is_gemm1(t.kind);
     const gemm::Gemm1SwigluParams& p1 = gemm1_params(p, t.kind);
@@ -708,9 +591,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
     const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     const bool push = p.push.on && t.kind == TaskKind::kGemm2;
     // (loaded before the K loop; the task's global row tile names the rows' entries)
-    const char* push_dst =
-        push ? push_row_dst(p.push, t.row_tile * gemm::kRowTileRows + (tile.row0 - slot.tile.row0), tile.real_rows, ctx)
-             : nullptr;
+    const char* push_dst = push ? push_row_dst(p.push, t.row_tile * gemm::kRowTileRows, tile.real_rows, ctx) : nullptr;
     // After this task's first batch (or once, without K steps): publish `pending` (its stores
     // are older than the last epilogue's groups), `fresh` moves up.
     const int publish_at = gemm::hook_slot(0, k_steps);
@@ -725,10 +606,8 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
         has_fresh = false;
       }
     };
-    const bool wide = slot.wide == kWideTile;
-    const auto tA = wide ? tCrA0 : tCrA;
-    if (!fused_mainloop(ss, st, k_steps, mma, tA, tCrB, acc, p1.err, ctx.tid, gathered, wide, wg_uniform,
-                        during_k_loop)) {
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
+                                 during_k_loop)) {
       break;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)

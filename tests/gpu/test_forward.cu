@@ -205,10 +205,9 @@ const std::vector<Case>& cases() {
       {"one_expert_per_rank", {257, 128, 128, 64, 2, 1, 1}, Pattern::kUniform},
       {"all_to_one_expert", {200, 128, 128, 0, 8, 2, 1}, Pattern::kOneExpert},
       {"empty_experts", {256, 128, 128, 64, 16, 2, 1}, Pattern::kFewExperts},
-      // Tails of <= 64 real rows next to full tiles at every ep (~150 x ep rows per expert), and
-      // three GEMM 1 / two GEMM 2 column blocks: wide tail tiles (FusedForwardOptions::wide_tails)
-      // with a plain partial last block (GEMM 1) and a partial block inside a pair (GEMM 2).
-      {"wide_tails", {300, 448, 320, 128, 8, 4, 1}, Pattern::kUniform},
+      // Tails of <= 64 real rows next to full tiles at every ep (~150 x ep rows per expert), three
+      // GEMM 1 and two GEMM 2 column blocks, each kind with a partial block (I 320, H 448).
+      {"tails_blocks", {300, 448, 320, 128, 8, 4, 1}, Pattern::kUniform},
   };
   return v;
 }
@@ -343,11 +342,9 @@ struct PassBits {
 //   kRingOne     with the macrobatch ring: one comm CTA dispatches past the first ring window
 //                (FusedForwardOptions::ring_comm_ctas = 1; the others join after it)
 //   kRingSum     with the macrobatch ring: the fused top-k sum (every row pushed and counted)
-//   kWideTails   fused only: wide tail tiles (FusedForwardOptions::wide_tails = 1)
-//   kWidePushAll fused only: kPushAll with wide tail tiles (a wide tile's warpgroups push their own rows)
 enum class CopyModes {
   kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll, kPushSum,
-  kPushAllSum, kRingOne, kRingSum, kWideTails, kWidePushAll
+  kPushAllSum, kRingOne, kRingSum
 };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
@@ -359,8 +356,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = path;
     ws->impl().dispatch_dedup = modes != CopyModes::kPlain;
-    const bool push_all =
-        modes == CopyModes::kPushAll || modes == CopyModes::kPushAllSum || modes == CopyModes::kWidePushAll;
+    const bool push_all = modes == CopyModes::kPushAll || modes == CopyModes::kPushAllSum;
     ws->impl().combine_in_place = modes != CopyModes::kPlain && !push_all;
     if (push_all || modes == CopyModes::kPush || modes == CopyModes::kPushSum) ws->impl().epilogue_push = 1;
     ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
@@ -371,7 +367,6 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
     if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = ws->config().effective_comm_sms_forward(s) - 1;
     if (modes == CopyModes::kRingOne) ws->impl().ring_comm_ctas = 1;
-    if (modes == CopyModes::kWideTails || modes == CopyModes::kWidePushAll) ws->impl().wide_tails = 1;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), rank_stream()));  // unwritten context cannot pass
@@ -433,18 +428,7 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_push_all = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAll);
   const auto fused_push_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushSum);
   const auto fused_push_all_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAllSum);
-  const auto fused_wide = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kWideTails);
-  const auto fused_wide_push_all = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kWidePushAll);
   for (int r = 0; r < ep; ++r) {
-    // Wide tail tiles: y, and the saved g, u with their padding rows (the partner tiles' zeros;
-    // g and u were poisoned before the pass), equal the staged forward's plain tiles.
-    EXPECT_TRUE(same_bits(fused_wide[r].y, staged[r].y)) << c.name << " rank " << r << ": y, wide tail tiles";
-    EXPECT_TRUE(same_bits(fused_wide[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g, wide tail tiles";
-    EXPECT_TRUE(same_bits(fused_wide[r].u, staged[r].u)) << c.name << " rank " << r << ": saved u, wide tail tiles";
-    EXPECT_TRUE(same_bits(fused_wide_push_all[r].y, staged[r].y))
-        << c.name << " rank " << r << ": y, wide tail tiles + push of every row";
-    EXPECT_TRUE(same_bits(fused_wide_push_all[r].slots, fused_plain[r].slots))
-        << c.name << " rank " << r << ": slots, wide tail tiles + push of every row vs the all-slots combine";
     EXPECT_TRUE(same_bits(fused_push_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, push + fused sum";
     EXPECT_TRUE(same_bits(fused_push_all_sum[r].y, fused[r].y))
         << c.name << " rank " << r << ": y, push of every row + fused sum";
@@ -523,8 +507,6 @@ TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
     const auto ring_one = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingOne);
     // The fused top-k sum on the ring (every row pushed, counted per token by a comm CTA).
     const auto ring_sum = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingSum);
-    // Wide tail tiles on the ring (their A boxes and stores address the ring's slots).
-    const auto ring_wide = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kWideTails);
     for (int r = 0; r < ep; ++r) {
       const std::string what = std::string(c.name) + " rank " + std::to_string(r) + ", ring of " +
                                std::to_string(slots) + " row tiles";
@@ -533,9 +515,6 @@ TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
       EXPECT_TRUE(same_bits(ring_one[r].g, ring[r].g)) << what << ": saved g, one comm CTA past the first window";
       EXPECT_TRUE(same_bits(ring_sum[r].y, full[r].y)) << what << ": y, fused top-k sum";
       EXPECT_TRUE(same_bits(ring_sum[r].g, ring[r].g)) << what << ": saved g, fused top-k sum";
-      EXPECT_TRUE(same_bits(ring_wide[r].y, full[r].y)) << what << ": y, wide tail tiles";
-      EXPECT_TRUE(same_bits(ring_wide[r].g, ring[r].g)) << what << ": saved g, wide tail tiles";
-      EXPECT_TRUE(same_bits(ring_wide[r].u, ring[r].u)) << what << ": saved u, wide tail tiles";
       EXPECT_TRUE(same_bits(ring[r].shared_g, full[r].shared_g)) << what << ": shared g";
       ASSERT_EQ(ring[r].g.size(), size_t(slots) * tile) << what << ": the ring's g holds its slots only";
       const int64_t tiles = full[r].padded_rows / kRowTile;
@@ -646,30 +625,6 @@ TEST(FusedForward, RefusesBadEpiloguePushOptions) {
     ws->impl().combine_in_place = false;
     ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
     expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
-    ws->check();
-  });
-}
-
-// wide_tails outside -1..1, and wide tail tiles with the token-major gather (whose producer
-// loads whole row tiles), are refused before anything runs, naming the option.
-TEST(FusedForward, RefusesBadWideTailsOptions) {
-  MOK_REQUIRE_GPUS(1);
-  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
-  const Problem p = make_problem(s, Pattern::kUniform, 12);
-  const Config cfg = default_config(s);
-  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
-    RankData d = upload_rank(p, r.rank);
-    auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), rank_stream());
-    for (int v : {2, -2}) {
-      ws->impl().wide_tails = v;
-      expect_forward_refused(*ws, d, ew, "wide_tails", "wide_tails = " + std::to_string(v));
-    }
-    ws->impl().wide_tails = 1;
-    ws->impl().dispatch_token_major = true;
-    expect_forward_refused(*ws, d, ew, "wide_tails", "wide_tails 1 with token_major");
     ws->check();
   });
 }
