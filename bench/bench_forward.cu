@@ -20,7 +20,7 @@
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
 //                 [--push-sum 0|1] [--push-all-sum 0|1] [--sum-ctas S]
 //                 [--macrobatch ROWS] [--ring-ctas N] [--ring-sum 0|1] [--stage-x 0|1] [--alt-comm N]
-//                 [--plain-dispatch 0|1]
+//                 [--plain-dispatch 0|1] [--global-raster 0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -45,6 +45,8 @@
 // with the top-k sum inside the fused kernel too (a comm CTA counts the pushed rows per token;
 // fwd_push_sum_ms, fwd_push_all_sum_ms). --sum-ctas S: the top-k sum inside the fused kernel with all
 // but S comm CTAs joining the GEMM work (the S sum tokens while the pass runs; fwd_sum_ctas_ms).
+// --global-raster 1: the same with the routed raster groups of global row tiles instead of groups
+// aligned to experts (FusedForwardOptions::expert_raster = 0; fwd_global_raster_ms).
 // --macrobatch ROWS: the same layer on a second
 // workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
@@ -99,7 +101,7 @@ struct Options {
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
   bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
        push_all_store = false, stage_x = false, plain_dispatch = false, push_sum = false, push_all_sum = false,
-       ring_sum = false;
+       ring_sum = false, global_raster = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   int sum_ctas = 0;  // --sum-ctas S (> 0): the fused sum with all but S comm CTAs joining
@@ -147,6 +149,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--push-all") o.push_all = std::stoi(v) != 0;
     else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
     else if (k == "--push-sum") o.push_sum = std::stoi(v) != 0;
+    else if (k == "--global-raster") o.global_raster = std::stoi(v) != 0;
     else if (k == "--push-all-sum") o.push_all_sum = std::stoi(v) != 0;
     else if (k == "--ring-sum") o.ring_sum = std::stoi(v) != 0;
     else if (k == "--sum-ctas") o.sum_ctas = std::stoi(v);
@@ -317,6 +320,7 @@ struct RankResult {
   std::map<int, double> fused_push_all_sum_ms;  // --push-all with the fused top-k sum (--push-all-sum 1)
   std::map<int, double> fused_macrobatch_sum_ms;  // the ring with the fused top-k sum (--ring-sum 1)
   std::map<int, double> fused_sum_ctas_ms;        // the fused sum, S comm CTAs not joining (--sum-ctas S)
+  std::map<int, double> fused_global_raster_ms;   // routed raster groups of global row tiles (--global-raster 1)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
@@ -439,6 +443,8 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
          fo.fused_topk_sum = true;
        },
        "-macrobatch-sum", true},
+      {o.global_raster, &res.fused_global_raster_ms,
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.expert_raster = 0; }, "-global-raster"},
   };
   // The workspace a mode runs on, and one pass of it.
   auto ws_of = [&](const Mode* m) -> Workspace& { return m->ring ? *ring_ws : *ws; };
@@ -629,11 +635,12 @@ int main(int argc, char** argv) {
     const bool ring_sum = o.macrobatch > 0 && o.ring_sum;
     const double best_sum_ctas = variant(o.sum_ctas > 0, "sum_ctas", &RankResult::fused_sum_ctas_ms);
     const double best_macrobatch_sum = variant(ring_sum, "macrobatch_sum", &RankResult::fused_macrobatch_sum_ms);
+    const double best_global_raster = variant(o.global_raster, "global_raster", &RankResult::fused_global_raster_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
     if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
         o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch ||
-        o.push_sum || o.push_all_sum || o.sum_ctas > 0)
+        o.push_sum || o.push_all_sum || o.sum_ctas > 0 || o.global_raster)
       sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
     if (o.plain_dispatch) {
@@ -668,6 +675,10 @@ int main(int argc, char** argv) {
       sweep << ", \"sum_ctas\": " << o.sum_ctas;
       std::printf("%-7s top-k sum inside, %d comm CTAs not joining: best %.3f ms, same bits: %s\n",
                   o.shapes[i].c_str(), o.sum_ctas, best_sum_ctas, ps ? "yes" : "NO");
+    }
+    if (o.global_raster) {
+      std::printf("%-7s routed raster groups of global row tiles: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
+                  best_global_raster, ps ? "yes" : "NO");
     }
     if (o.push_sum) {
       std::printf("%-7s GEMM 2's epilogues pushing + top-k sum inside: best %.3f ms, same bits: %s\n",

@@ -38,10 +38,11 @@ int resolve_grid(const Launch& launch);  // launch.grid or the SM count of the c
 uint64_t timeout_ns(const Launch& launch);
 // Whether environment variable `name` is set to exactly `value` (the developer on/off knobs).
 bool env_is(const char* name, const char* value);
-// Developer knob (A/B measurement), read by the standalone row GEMMs and the fused forward:
-// MOK_GEMM_RASTER=expert keeps raster groups inside one expert. Measured no faster on routed
-// segments and 7 % slower on GEMM 2 with uniform ones (docs/gemm.md), so groups of global row
-// tiles stay the default.
+// Developer knob (A/B measurement), read by the standalone row GEMMs: MOK_GEMM_RASTER=expert
+// keeps raster groups inside one expert. Measured no faster on routed segments, 7 % slower on
+// GEMM 2 with uniform ones and 5-6 % slower on qwen3's GEMM 1 (docs/gemm.md), so groups of
+// global row tiles stay the standalone default. (The fused forward's task list has its own
+// option, FusedForwardOptions::expert_raster, aligned by default: docs/megakernel.md.)
 bool expert_raster_groups();
 // Params::defer_wg1_shift of the deferred epilogues: kDeferWg1Shift (gemm_config.hpp), or the
 // developer knob MOK_GEMM_DEFER_STAGGER=<batches in [0, 64]> (anything else throws

@@ -63,6 +63,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.task_counter = impl.task_counter;
     options.epilogue_push = impl.epilogue_push;
     options.ring_comm_ctas = impl.ring_comm_ctas;
+    options.expert_raster = impl.expert_raster;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;

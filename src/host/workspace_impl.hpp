@@ -51,6 +51,9 @@ struct Workspace::Impl {
   // Fused path with the macrobatch ring: comm CTAs that dispatch past the first ring window
   // (FusedForwardOptions::ring_comm_ctas; -1 automatic, 0 all). Same bits.
   int ring_comm_ctas = -1;
+  // Fused path: routed raster groups aligned to experts (FusedForwardOptions::expert_raster; -1
+  // automatic = aligned, 0 global groups, 1 aligned). Same bits.
+  int expert_raster = -1;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
   // Simulated ranks (host/simulated_ranks.hpp): the group this rank belongs to (it outlives the
   // workspace) and the rank in it; null with an NCCL communicator.

@@ -197,6 +197,15 @@ bool resolve_epilogue_push(const FusedForwardOptions& o) {
   return o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
 }
 
+// Whether the routed raster groups are aligned to experts (FusedForwardOptions::expert_raster).
+bool resolve_expert_raster(const FusedForwardOptions& o) {
+  if (o.expert_raster < -1 || o.expert_raster > 1) {
+    throw_invalid("FusedForwardOptions.expert_raster", "-1 (automatic), 0 (global groups) or 1 (aligned to experts)",
+                  std::to_string(o.expert_raster));
+  }
+  return o.expert_raster != 0;  // automatic: aligned (measured faster at EP 1; docs/megakernel.md)
+}
+
 // Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
 // The combine has rows to move unless every row is the own rank's and read in place, or GEMM 2's
 // epilogues push them; otherwise at least one comm CTA must stay to combine. With the epilogue
@@ -345,7 +354,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.tasks.n2 = static_cast<int>(ceil_div(H, 256));
   p.tasks.tiles_per_minibatch = static_cast<int>(state.view().minibatch / kRowTile);
   p.tasks.group_m = gemm::kGroupM;
-  p.tasks.expert_groups = gemm::host::expert_raster_groups();  // developer knob, as for the standalone GEMMs
+  p.tasks.expert_groups = resolve_expert_raster(o);
   p.shared_tokens = static_cast<int>(s.tokens);
   p.experts = static_cast<int>(E);
   const int64_t shared_tiles = b.shared_rows / kRowTile, routed_tiles = R / kRowTile;
@@ -541,6 +550,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   const FusedForwardOptions o = resolve_ring(state, b, options);
   const int grid = resolve_grid(o);
   const int join = resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
+  resolve_expert_raster(o);
   if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)

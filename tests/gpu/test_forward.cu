@@ -342,9 +342,11 @@ struct PassBits {
 //   kRingOne     with the macrobatch ring: one comm CTA dispatches past the first ring window
 //                (FusedForwardOptions::ring_comm_ctas = 1; the others join after it)
 //   kRingSum     with the macrobatch ring: the fused top-k sum (every row pushed and counted)
+//   kGlobalRaster fused only: routed raster groups of global row tiles (FusedForwardOptions::expert_raster = 0;
+//                the default aligns them to experts)
 enum class CopyModes {
   kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll, kPushSum,
-  kPushAllSum, kRingOne, kRingSum
+  kPushAllSum, kRingOne, kRingSum, kGlobalRaster
 };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
@@ -367,6 +369,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
     if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = ws->config().effective_comm_sms_forward(s) - 1;
     if (modes == CopyModes::kRingOne) ws->impl().ring_comm_ctas = 1;
+    if (modes == CopyModes::kGlobalRaster) ws->impl().expert_raster = 0;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), rank_stream()));  // unwritten context cannot pass
@@ -428,7 +431,16 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const auto fused_push_all = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAll);
   const auto fused_push_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushSum);
   const auto fused_push_all_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAllSum);
+  // Raster groups aligned to experts (the default) or of global row tiles: with minibatches of
+  // 8 row tiles (with 128-row minibatches both orders are the same) groups span experts.
+  Config wide_mb = cfg;
+  wide_mb.minibatch = 8 * kRowTile;
+  const auto fused_aligned = run_path(p, wide_mb, megakernel::ForwardPath::kFused);
+  const auto fused_global = run_path(p, wide_mb, megakernel::ForwardPath::kFused, CopyModes::kGlobalRaster);
   for (int r = 0; r < ep; ++r) {
+    EXPECT_TRUE(same_bits(fused_aligned[r].y, staged[r].y)) << c.name << " rank " << r << ": y, 8-tile minibatches";
+    EXPECT_TRUE(same_bits(fused_global[r].y, staged[r].y)) << c.name << " rank " << r << ": y, global raster groups";
+    EXPECT_TRUE(same_bits(fused_global[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g, global raster groups";
     EXPECT_TRUE(same_bits(fused_push_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, push + fused sum";
     EXPECT_TRUE(same_bits(fused_push_all_sum[r].y, fused[r].y))
         << c.name << " rank " << r << ": y, push of every row + fused sum";
@@ -625,6 +637,26 @@ TEST(FusedForward, RefusesBadEpiloguePushOptions) {
     ws->impl().combine_in_place = false;
     ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
     expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
+    ws->check();
+  });
+}
+
+// expert_raster outside -1..1 is refused before anything runs, naming the option.
+TEST(FusedForward, RefusesABadExpertRaster) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
+  const Problem p = make_problem(s, Pattern::kUniform, 12);
+  const Config cfg = default_config(s);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = create_workspace(s, cfg, r);
+    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), rank_stream());
+    for (int v : {2, -2}) {
+      ws->impl().expert_raster = v;
+      expect_forward_refused(*ws, d, ew, "expert_raster", "expert_raster = " + std::to_string(v));
+    }
     ws->check();
   });
 }
