@@ -20,7 +20,7 @@
 //                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
 //                 [--push-sum 0|1] [--push-all-sum 0|1] [--sum-ctas S]
 //                 [--macrobatch ROWS] [--ring-ctas N] [--ring-sum 0|1] [--stage-x 0|1] [--alt-comm N]
-//                 [--plain-dispatch 0|1] [--global-raster 0|1]
+//                 [--plain-dispatch 0|1] [--global-raster 0|1] [--expert-raster -1|0|1]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
 // --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
@@ -47,6 +47,9 @@
 // but S comm CTAs joining the GEMM work (the S sum tokens while the pass runs; fwd_sum_ctas_ms).
 // --global-raster 1: the same with the routed raster groups of global row tiles instead of groups
 // aligned to experts (FusedForwardOptions::expert_raster = 0; fwd_global_raster_ms).
+// --expert-raster N: FusedForwardOptions::expert_raster = N for the default and every variant of
+// this process (-1 automatic = aligned; for A/Bs in separate processes, where each setting keeps
+// its own clock: scripts/gpu_raster_ab.sh).
 // --macrobatch ROWS: the same layer on a second
 // workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
 // fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
@@ -102,6 +105,7 @@ struct Options {
   bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
        push_all_store = false, stage_x = false, plain_dispatch = false, push_sum = false, push_all_sum = false,
        ring_sum = false, global_raster = false;
+  int expert_raster = -1;  // --expert-raster: FusedForwardOptions::expert_raster of every mode
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
   int sum_ctas = 0;  // --sum-ctas S (> 0): the fused sum with all but S comm CTAs joining
@@ -150,6 +154,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
     else if (k == "--push-sum") o.push_sum = std::stoi(v) != 0;
     else if (k == "--global-raster") o.global_raster = std::stoi(v) != 0;
+    else if (k == "--expert-raster") o.expert_raster = std::stoi(v);
     else if (k == "--push-all-sum") o.push_all_sum = std::stoi(v) != 0;
     else if (k == "--ring-sum") o.ring_sum = std::stoi(v) != 0;
     else if (k == "--sum-ctas") o.sum_ctas = std::stoi(v);
@@ -458,6 +463,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     megakernel::FusedForwardOptions fo;
     fo.comm_ctas = variant && o.alt_comm > 0 ? o.alt_comm : c;
     fo.timeout_s = cfg.wait_timeout_s;
+    fo.expert_raster = o.expert_raster;
     configure(fo, o);
     // --join N is capped so that one comm CTA still combines at EP >= 2 (a sweep may go below N).
     if (fo.join_gemm > 0) fo.join_gemm = std::min(fo.join_gemm, fo.comm_ctas - (s.ep > 1 ? 1 : 0));
