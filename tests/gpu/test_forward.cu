@@ -591,12 +591,12 @@ TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
   });
 }
 
-// A join_gemm beyond the comm CTAs (or, with rows to combine, leaving none to combine) is refused
-// before anything runs, naming the option.
-TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
-  MOK_REQUIRE_GPUS(1);
+// Runs check(ws, d, ew, cfg, s) on one rank with a scheduled fused workspace of a small shape
+// (the option-refusal tests below: bad options throw before anything is enqueued).
+template <class Check>
+void with_small_fused_workspace(uint64_t seed, Check check) {
   const LayerShape s{256, 128, 128, 64, 8, 2, 1};
-  const Problem p = make_problem(s, Pattern::kUniform, 9);
+  const Problem p = make_problem(s, Pattern::kUniform, seed);
   const Config cfg = default_config(s);
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
@@ -604,14 +604,24 @@ TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
     schedule(*ws, d.idx.get(), rank_stream());
-    for (int join : {cfg.effective_comm_sms_forward(s) + 1, -2}) {
-      ws->impl().join_gemm = join;
-      expect_forward_refused(*ws, d, ew, "join_gemm", "join_gemm = " + std::to_string(join));
-    }
-    ws->impl().combine_in_place = false;  // own rows copied into the slots: one comm CTA must combine
-    ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
-    expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with rows to combine");
+    check(*ws, d, ew, cfg, s);
     ws->check();
+  });
+}
+
+// A join_gemm beyond the comm CTAs (or, with rows to combine, leaving none to combine) is refused
+// before anything runs, naming the option.
+TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
+  MOK_REQUIRE_GPUS(1);
+  with_small_fused_workspace(9, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config& cfg,
+                                   const LayerShape& s) {
+    for (int join : {cfg.effective_comm_sms_forward(s) + 1, -2}) {
+      ws.impl().join_gemm = join;
+      expect_forward_refused(ws, d, ew, "join_gemm", "join_gemm = " + std::to_string(join));
+    }
+    ws.impl().combine_in_place = false;  // own rows copied into the slots: one comm CTA must combine
+    ws.impl().join_gemm = cfg.effective_comm_sms_forward(s);
+    expect_forward_refused(ws, d, ew, "join_gemm", "every comm CTA joining with rows to combine");
   });
 }
 
@@ -619,45 +629,29 @@ TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
 // fused top-k sum and the own rows pushed, one comm CTA must stay to count them.
 TEST(FusedForward, RefusesBadEpiloguePushOptions) {
   MOK_REQUIRE_GPUS(1);
-  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
-  const Problem p = make_problem(s, Pattern::kUniform, 10);
-  const Config cfg = default_config(s);
-  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
-    RankData d = upload_rank(p, r.rank);
-    auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), rank_stream());
+  with_small_fused_workspace(10, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config& cfg,
+                                    const LayerShape& s) {
     for (int v : {2, -2}) {
-      ws->impl().epilogue_push = v;
-      expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push = " + std::to_string(v));
+      ws.impl().epilogue_push = v;
+      expect_forward_refused(ws, d, ew, "epilogue_push", "epilogue_push = " + std::to_string(v));
     }
-    ws->impl().epilogue_push = 1;
-    ws->impl().fused_topk_sum = true;
-    ws->impl().combine_in_place = false;
-    ws->impl().join_gemm = cfg.effective_comm_sms_forward(s);
-    expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
-    ws->check();
+    ws.impl().epilogue_push = 1;
+    ws.impl().fused_topk_sum = true;
+    ws.impl().combine_in_place = false;
+    ws.impl().join_gemm = cfg.effective_comm_sms_forward(s);
+    expect_forward_refused(ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
   });
 }
 
 // expert_raster outside -1..1 is refused before anything runs, naming the option.
 TEST(FusedForward, RefusesABadExpertRaster) {
   MOK_REQUIRE_GPUS(1);
-  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
-  const Problem p = make_problem(s, Pattern::kUniform, 12);
-  const Config cfg = default_config(s);
-  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
-    RankData d = upload_rank(p, r.rank);
-    auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), rank_stream());
+  with_small_fused_workspace(12, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config&,
+                                    const LayerShape&) {
     for (int v : {2, -2}) {
-      ws->impl().expert_raster = v;
-      expect_forward_refused(*ws, d, ew, "expert_raster", "expert_raster = " + std::to_string(v));
+      ws.impl().expert_raster = v;
+      expect_forward_refused(ws, d, ew, "expert_raster", "expert_raster = " + std::to_string(v));
     }
-    ws->check();
   });
 }
 
