@@ -11,6 +11,7 @@ src/megakernel/forward_trace.cuh) and prints, per file:
     nothing to do because the task's inputs were not there yet (producer's input wait that
     ended after the consumer finished its previous tile), per kind;
   - a timeline in bins: the fraction of GEMM CTAs inside a tile of each kind;
+  - the lockstep of routed tasks that may share a B tile ((rt, n) and (rt + 1, n) begin times);
   - with the fused top-k sum (version-2 files): when tokens were claimed, ready and summed,
     by comm CTAs or GEMM CTAs, and the tail after the last GEMM tile.
 
@@ -105,6 +106,22 @@ def report(path, t, bins):
                 if sel.any():
                     parts.append(f"{name} {label} {int(sel.sum())} x {1e3 * work[sel].mean():.1f}/{1e3 * main[sel].mean():.1f}")
         print("by real rows (tasks x per tile us / K loop us): " + ", ".join(parts))
+    # Lockstep (docs/megakernel.md, seventeenth session): tasks (rt, n) and (rt + 1, n) share
+    # their B tile when both row tiles belong to one expert, and one DRAM read serves both only
+    # while they run in step. Their begin-time difference, per routed kind (the trace has no
+    # expert id, so pairs across an expert boundary are counted too).
+    row_tile = ((gemm[:, :, 5] >> 40) & 0xFFFF).astype(int)
+    n_tile = ((gemm[:, :, 5] >> 24) & 0xFFFF).astype(int)
+    parts = []
+    for k in (2, 3):
+        sel = valid & (kind == k)
+        begin = {(int(r), int(n)): int(b) for r, n, b in zip(row_tile[sel], n_tile[sel], gemm[:, :, 2][sel])}
+        d = np.array([abs(b - begin[(r + 1, n)]) / 1e3 for (r, n), b in begin.items() if (r + 1, n) in begin])
+        if d.size:
+            parts.append(f"{KINDS[k]} median {np.median(d):.1f}, 90 % {np.quantile(d, 0.9):.1f}, "
+                         f"> 20 us {100 * (d > 20).mean():.1f} % of {d.size} pairs")
+    if parts:
+        print("lockstep |begin(rt, n) - begin(rt + 1, n)| (us): " + "; ".join(parts))
     busy, wait = work.sum(), late.sum()
     idle_end, idle_start = (span - last_end).sum(), first.sum()
     print(f"all  working {busy / tot:.3f} of GEMM CTA-time, waiting for inputs {wait / tot:.3f}, "
