@@ -571,33 +571,15 @@ void expect_forward_refused(Workspace& ws, const RankData& d, const ExpertWeight
   }
 }
 
-// A grid the fused kernel cannot keep resident is refused before anything runs.
-TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
-  MOK_REQUIRE_GPUS(1);
-  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
-  const Problem p = make_problem(s, Pattern::kUniform, 8);
-  int sms = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  Config cfg = default_config(s);
-  cfg.grid_sms = sms + 1;
-  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
-    RankData d = upload_rank(p, r.rank);
-    auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    schedule(*ws, d.idx.get(), rank_stream());
-    expect_forward_refused(*ws, d, ew, "grid_sms", "grid_sms = " + std::to_string(cfg.grid_sms));
-    ws->check();
-  });
-}
-
 // Runs check(ws, d, ew, cfg, s) on one rank with a scheduled fused workspace of a small shape
-// (the option-refusal tests below: bad options throw before anything is enqueued).
+// (the option-refusal tests below: bad options throw before anything is enqueued). grid_sms:
+// Config::grid_sms (0: the default).
 template <class Check>
-void with_small_fused_workspace(uint64_t seed, Check check) {
+void with_small_fused_workspace(uint64_t seed, Check check, int grid_sms = 0) {
   const LayerShape s{256, 128, 128, 64, 8, 2, 1};
   const Problem p = make_problem(s, Pattern::kUniform, seed);
-  const Config cfg = default_config(s);
+  Config cfg = default_config(s);
+  cfg.grid_sms = grid_sms;
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, cfg, r);
@@ -607,6 +589,19 @@ void with_small_fused_workspace(uint64_t seed, Check check) {
     check(*ws, d, ew, cfg, s);
     ws->check();
   });
+}
+
+// A grid the fused kernel cannot keep resident is refused before anything runs.
+TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
+  MOK_REQUIRE_GPUS(1);
+  int sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  with_small_fused_workspace(
+      8,
+      [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config& cfg, const LayerShape&) {
+        expect_forward_refused(ws, d, ew, "grid_sms", "grid_sms = " + std::to_string(cfg.grid_sms));
+      },
+      sms + 1);
 }
 
 // A join_gemm beyond the comm CTAs (or, with rows to combine, leaving none to combine) is refused
