@@ -100,15 +100,46 @@ inline bool simulating_ranks(int ep) {
 inline thread_local comm::SimulatedGroup* t_simulated_group = nullptr;
 
 // This rank thread's stream: non-blocking (never ordered behind another rank's work on the
-// legacy default stream, which all threads of a context share), created once per thread.
+// legacy default stream, which all threads of a context share), created once per thread
+// (again by recreate_rank_stream, see RankPool::rendezvous).
+struct RankStreamHolder {
+  cudaStream_t s = nullptr;
+  ~RankStreamHolder() {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+};
+inline RankStreamHolder& rank_stream_holder() {
+  thread_local RankStreamHolder h;
+  return h;
+}
 inline cudaStream_t rank_stream() {
-  struct Holder {
-    cudaStream_t s = nullptr;
-    Holder() { MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-    ~Holder() { cudaStreamDestroy(s); }
-  };
-  thread_local Holder h;
+  RankStreamHolder& h = rank_stream_holder();
+  if (h.s == nullptr) MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&h.s, cudaStreamNonBlocking));
   return h.s;
+}
+inline void recreate_rank_stream() {
+  RankStreamHolder& h = rank_stream_holder();
+  if (h.s != nullptr) MOK_CUDA_CHECK(cudaStreamDestroy(h.s));
+  h.s = nullptr;
+  rank_stream();
+}
+
+// One CTA per simulated rank (RankPool::rendezvous): arrive on the counter, then wait until
+// `target` arrivals (or `timeout_ns` on %globaltimer; then ok[rank] stays 0).
+static __global__ void rendezvous_kernel(unsigned* arrived, unsigned target, unsigned long long timeout_ns,
+                                         unsigned* ok, int rank) {
+  auto now = [] {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  };
+  atomicAdd(arrived, 1u);
+  const unsigned long long t0 = now();
+  while (atomicAdd(arrived, 0u) < target) {
+    if (now() - t0 > timeout_ns) return;
+    __nanosleep(1000);
+  }
+  ok[rank] = 1u;
 }
 
 // Host-to-device cudaMemcpy from pageable memory may return before its DMA finished; the
@@ -237,6 +268,7 @@ class RankPool {
       cv_.notify_all();
     }
     if (driver_.joinable()) driver_.join();
+    if (rdv_ != nullptr) cudaFree(rdv_);
   }
 
  private:
@@ -253,6 +285,11 @@ class RankPool {
             r.device = 0;
             cudaSetDevice(0);
             t_simulated_group = group_.get();
+            try {
+              rendezvous(r);
+            } catch (const std::exception& e) {
+              std::fprintf(stderr, "[ SIMULATED] rank %d of %d: stream rendezvous failed: %s\n", i, ep_, e.what());
+            }
             serve(r);
           });
         }
@@ -265,6 +302,56 @@ class RankPool {
     driver_ = std::thread([this, devices] {
       bootstrap::run_local_ranks(devices, [this](bootstrap::LocalRank& r) { serve(r); });
     });
+  }
+
+  // Simulated ranks only, before the first task: proves that every rank's stream runs beside the
+  // others' (each pass's kernels wait on each other across ranks). Twice the first simulated
+  // ep 8 pass of a process had one rank whose host calls returned on time but whose kernels did
+  // not start until the peers' 10 s waits had timed out (docs/comm.md, launch mode (c)): a
+  // stream's first use can leave it unable to start beside a spinning peer. So each rank
+  // launches rendezvous_kernel on its stream; if any rank did not see all arrivals within 2 s
+  // they try again with the same streams (a first-use effect is then gone), and after a second
+  // miss with new streams (a stream sharing a hardware queue with a peer's), up to 4 attempts,
+  // saying so on stderr: which of the two it was is the evidence docs/comm.md asks for.
+  void rendezvous(const bootstrap::LocalRank& r) {
+    constexpr int kAttempts = 4;
+    if (r.rank == 0) {
+      MOK_CUDA_CHECK(cudaMalloc(&rdv_, sizeof(unsigned) * (1 + ep_)));
+      MOK_CUDA_CHECK(cudaMemset(rdv_, 0, sizeof(unsigned) * (1 + ep_)));
+      MOK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));  // before the other ranks' kernels
+    }
+    for (int attempt = 0; attempt < kAttempts; ++attempt) {
+      if (!barrier_.arrive_and_wait(120.0)) return;  // rdv_ ready and zeroed (ok flags) for this attempt
+      cudaStream_t st = rank_stream();
+      rendezvous_kernel<<<1, 1, 0, st>>>(rdv_, static_cast<unsigned>(ep_ * (attempt + 1)), 2000000000ull, rdv_ + 1,
+                                         r.rank);
+      MOK_CUDA_CHECK(cudaGetLastError());
+      MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+      if (!barrier_.arrive_and_wait(120.0)) return;  // every kernel done
+      std::vector<unsigned> ok(ep_);
+      MOK_CUDA_CHECK(cudaMemcpy(ok.data(), rdv_ + 1, sizeof(unsigned) * ep_, cudaMemcpyDeviceToHost));
+      std::string late;
+      for (int i = 0; i < ep_; ++i) {
+        if (ok[i] == 0) late += " " + std::to_string(i);
+      }
+      if (!barrier_.arrive_and_wait(120.0)) return;  // every rank read the flags
+      if (late.empty()) {
+        if (attempt > 0 && r.rank == 0) {
+          std::fprintf(stderr, "[ SIMULATED] ep %d: rank streams ran together at attempt %d\n", ep_, attempt + 1);
+        }
+        return;
+      }
+      if (r.rank == 0) {
+        std::fprintf(stderr,
+                     "[ SIMULATED] ep %d: rank streams did not all run together (attempt %d: ranks%s saw fewer than %d "
+                     "arrivals in 2 s); %s\n",
+                     ep_, attempt + 1, late.c_str(), ep_,
+                     attempt == 0 ? "trying again with the same streams" : "recreating every rank's stream");
+        MOK_CUDA_CHECK(cudaMemset(rdv_ + 1, 0, sizeof(unsigned) * ep_));
+        MOK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));  // (no kernel runs now: all finished)
+      }
+      if (attempt > 0) recreate_rank_stream();
+    }
   }
 
   void serve(bootstrap::LocalRank& r) {
@@ -306,6 +393,7 @@ class RankPool {
   bool stop_ = false;
   std::exception_ptr error_;
   comm::HostBarrier barrier_{ep_};
+  unsigned* rdv_ = nullptr;  // rendezvous: [arrivals, ok per rank] (simulated ranks; freed with the pool)
 };
 
 // ---- one test case --------------------------------------------------------------------------------
