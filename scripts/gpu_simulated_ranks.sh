@@ -9,6 +9,10 @@
 #   FULL=1 REPEAT=4 scripts/gpu_simulated_ranks.sh   # the whole binaries (NCCL-backed EP 1 tests
 #                                                    # first) at ep up to 8: the case that once
 #                                                    # timed out at ep 8 (docs/comm.md, mode (c))
+#   PROCS=12 scripts/gpu_simulated_ranks.sh   # the whole test_forward in 12 fresh processes: the
+#                                             # ep 8 first-pass timeout came only at a process's
+#                                             # first ep 8 pass; the stream rendezvous (RankPool)
+#                                             # prints when it had to retry
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +33,9 @@ run() {  # name, limit, command...
   grep -E "failed at|Failure" "$OUT/$name.log" | sort | uniq -c | head -5 | cut -c1-240
 }
 nvidia-smi -L
-if [ "${FULL:-0}" = 1 ]; then
+if [ -n "${PROCS:-}" ]; then
+  for i in $(seq 1 "$PROCS"); do run "test_forward_p$i" 200 $B/test_forward; done
+elif [ "${FULL:-0}" = 1 ]; then
   run test_forward 500 $B/test_forward --gtest_repeat="$REPEAT"
   run test_comm    500 $B/test_comm --gtest_repeat="$REPEAT"
 else
@@ -37,5 +43,7 @@ else
   run test_forward 300 $B/test_forward --gtest_repeat="$REPEAT" \
     --gtest_filter='*ep2:*ep4:*ep8:Ep/ForwardDeterminism.*:Ep/ForwardEpInvariance.*:ForwardErrors.*'
 fi
-echo "simulated ranks: $(cat "$OUT"/*.log | grep -c '^\[ SIMULATED\] ep') simulated test runs; rc=$rc"
+echo "stream rendezvous retries: $(cat "$OUT"/*.log | grep -c 'rank streams did not all run together')"
+grep -h 'rank streams' "$OUT"/*.log | sort | uniq -c | head -10
+echo "simulated ranks: $(cat "$OUT"/*.log | grep -c '^\[ SIMULATED\] ep [0-9]* as') simulated test runs; rc=$rc"
 exit $rc
