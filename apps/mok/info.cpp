@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_timing.hpp"
 #include "cli.hpp"
 #include "comm/cuda_check.hpp"
 #include "megakernel/bench_support.hpp"
@@ -44,13 +45,21 @@ int run_info() {
 }
 
 // `mok bench`: schedule + forward of the --shape layer on every local GPU (EP = the GPUs), random
-// data and uniform routing; per rank the median of --iters after 3 warm-ups, every iteration
-// started on all ranks together. The full side-by-side benchmark is build/bin/bench_forward.
+// data and uniform routing; per rank the median of --iters after 3 warm-ups and --warm-ms of
+// steady-state runs (bench/bench_timing.hpp, as bench_forward times: an H200 at its power cap
+// runs these kernels at a lower clock than in the first launches after an idle phase, which
+// read 4-10 % fast), every iteration started on all ranks together. The full side-by-side
+// benchmark is build/bin/bench_forward.
 int run_bench(const Options& opts) {
   const std::string name = opts.str("shape");
   if (name != "dsv3" && name != "qwen3" && name != "gptoss") throw_invalid("--shape", "dsv3, qwen3 or gptoss", name);
   const int64_t tokens = opts.integer("tokens", 0, 1 << 24);
-  const int iters = static_cast<int>(opts.integer("iters", 1, 1000));
+  struct {
+    int warmup = 3, iters = 10;
+    double warm_ms = 300;
+  } timing;
+  timing.iters = static_cast<int>(opts.integer("iters", 1, 1000));
+  timing.warm_ms = opts.real("warm-ms", 0, 60000);
   Config config;
   config.macrobatch = opts.integer("macrobatch", 0, int64_t{1} << 40);
   const int gpus = bootstrap::local_device_count();
@@ -60,11 +69,13 @@ int run_bench(const Options& opts) {
   const auto routing = megakernel::uniform_routing(shape, 2026);
   const char* path = std::getenv("MOK_FORWARD_PATH");
   const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
-  std::printf("mok bench: %s, EP=%d (every local GPU), %s forward (schedule + forward, Config defaults%s)\n",
+  std::printf("mok bench: %s, EP=%d (every local GPU), %s forward (schedule + forward, Config defaults%s; median of %d "
+              "after %.0f ms of steady state)\n",
               shape.to_string().c_str(), gpus, path && std::string(path) == "staged" ? "staged" : "fused",
               resident < all ? (", macrobatch ring of " + std::to_string(resident) + " of " + std::to_string(all) +
                                 " routed rows").c_str()
-                             : "");
+                             : "",
+              timing.iters, timing.warm_ms);
   std::vector<double> ms(gpus, 0.0);
   std::barrier<> sync(gpus);
   bootstrap::run_local_ranks(bootstrap::all_local_devices(), [&](bootstrap::LocalRank& r) {
@@ -72,27 +83,12 @@ int run_bench(const Options& opts) {
     megakernel::RandomLayer layer(shape, r.rank, routing[r.rank], 7);
     cudaStream_t stream;
     MOK_CUDA_CHECK(cudaStreamCreate(&stream));
-    cudaEvent_t a, b;
-    MOK_CUDA_CHECK(cudaEventCreate(&a));
-    MOK_CUDA_CHECK(cudaEventCreate(&b));
-    std::vector<double> t;
-    for (int i = 0; i < 3 + iters; ++i) {
-      MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
-      sync.arrive_and_wait();
-      MOK_CUDA_CHECK(cudaEventRecord(a, stream));
+    const double t = bench::time_ms(timing, sync, stream, [&] {
       schedule(*ws, layer.topk_idx.get(), stream);
       forward(*ws, layer.args(), layer.weights(), stream);
-      MOK_CUDA_CHECK(cudaEventRecord(b, stream));
-      MOK_CUDA_CHECK(cudaEventSynchronize(b));
-      float x = 0;
-      MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
-      if (i >= 3) t.push_back(x);
-    }
+    });
     ws->check();
-    std::sort(t.begin(), t.end());
-    ms[r.rank] = t[t.size() / 2];
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    ms[r.rank] = t;
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync.arrive_and_wait();  // no rank frees its window while a peer may still read it
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -32,6 +32,8 @@ commands:
             --shape S       dsv3 | qwen3 | gptoss (default dsv3)
             --tokens N      tokens per rank (default 0 = the shape's: 8192, 16384, 8192)
             --iters N       timed iterations after 3 warm-ups (default 10)
+            --warm-ms X     steady-state runs before the timed ones, in ms (default 300: the
+                            power-capped clock; 0 times right after the warm-ups)
             --macrobatch R  Config::macrobatch: routed rows kept resident (default 0 = all;
                             below the routed buffer the fused forward runs them through a ring)
   info    what this build contains: engine, GPUs, NCCL
@@ -66,7 +68,7 @@ int main(int argc, char** argv) {
                  {"seed", "1"}, {"engine", "auto"}}));
     }
     if (cmd == "bench") {
-      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"tokens", "0"}, {"iters", "10"}, {"macrobatch", "0"}}));
+      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"}}));
     }
     std::fprintf(stderr, "mok: unknown command '%s' (expected demo, bench, info, help or version)\n", cmd.c_str());
     return 2;
