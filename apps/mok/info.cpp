@@ -46,9 +46,10 @@ int run_info() {
 
 // `mok bench`: schedule + forward of the --shape layer on every local GPU (EP = the GPUs), random
 // data and uniform routing; per rank the median of --iters after 3 warm-ups and --warm-ms of
-// steady-state runs (bench/bench_timing.hpp, as bench_forward times: an H200 at its power cap
-// runs these kernels at a lower clock than in the first launches after an idle phase, which
-// read 4-10 % fast), every iteration started on all ranks together. The full side-by-side
+// steady-state runs (bench/bench_timing.hpp, as bench_forward times: at its power cap an H200
+// runs these kernels at a lower clock than in the first launches after an idle phase; without
+// the steady phase gptoss read 10 % and qwen3 5-7 % fast, docs/perf-log.md 2026-12-03), every
+// iteration started on all ranks together. The full side-by-side
 // benchmark is build/bin/bench_forward.
 int run_bench(const Options& opts) {
   const std::string name = opts.str("shape");
