@@ -1,5 +1,6 @@
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include "cli.hpp"
@@ -43,12 +44,20 @@ int64_t Options::integer(const std::string& name, int64_t lo, int64_t hi) const 
   return v;
 }
 
+namespace {
+std::string short_number(double v) {  // 0, 60000, 0.006: the range as a user would write it
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+}  // namespace
+
 double Options::real(const std::string& name, double lo, double hi) const {
   const std::string& s = values_.at(name);
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
   if (end == s.c_str() || *end != '\0' || !std::isfinite(v) || v < lo || v > hi) {
-    throw_invalid("--" + name, "a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]", s);
+    throw_invalid("--" + name, "a number in [" + short_number(lo) + ", " + short_number(hi) + "]", s);
   }
   return v;
 }
