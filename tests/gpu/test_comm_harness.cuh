@@ -406,6 +406,9 @@ struct CommCase {
   bool zero_copy = false;    // write x straight into Workspace::x_staging()
   bool with_shared = true;   // epilogue starts from a shared-expert output
 };
+// GoogleTest prints a parameter in `--gtest_list_tests`, and CTest's discovered names carry it:
+// without this it was a 152-byte hex dump per test (370-character lines in every CI log).
+inline void PrintTo(const CommCase& c, std::ostream* os) { *os << c.name; }
 
 struct DispatchVariant {
   int ctas;
