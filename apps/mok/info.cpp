@@ -1,7 +1,6 @@
 // `mok info` and `mok bench`.
 #include <nccl.h>
 
-#include <algorithm>
 #include <barrier>
 #include <cstdio>
 #include <cstdlib>
@@ -49,18 +48,16 @@ int run_info() {
 // steady-state runs (bench/bench_timing.hpp, as bench_forward times: at its power cap an H200
 // runs these kernels at a lower clock than in the first launches after an idle phase; without
 // the steady phase gptoss read 10 % and qwen3 5-7 % fast, docs/perf-log.md 2026-12-03), every
-// iteration started on all ranks together. The full side-by-side
-// benchmark is build/bin/bench_forward.
+// iteration started on all ranks together. The full side-by-side benchmark is
+// build/bin/bench_forward.
 int run_bench(const Options& opts) {
   const std::string name = opts.str("shape");
   if (name != "dsv3" && name != "qwen3" && name != "gptoss") throw_invalid("--shape", "dsv3, qwen3 or gptoss", name);
   const int64_t tokens = opts.integer("tokens", 0, 1 << 24);
-  struct {
-    int warmup = 3, iters = 10;
-    double warm_ms = 300;
-  } timing;
-  timing.iters = static_cast<int>(opts.integer("iters", 1, 1000));
-  timing.warm_ms = opts.real("warm-ms", 0, 60000);
+  const struct {
+    int warmup, iters;
+    double warm_ms;
+  } timing{3, static_cast<int>(opts.integer("iters", 1, 1000)), opts.real("warm-ms", 0, 60000)};
   Config config;
   config.macrobatch = opts.integer("macrobatch", 0, int64_t{1} << 40);
   const int gpus = bootstrap::local_device_count();

@@ -23,6 +23,7 @@
 #include "comm/cuda_check.hpp"
 #include "comm/roles.hpp"
 #include "comm/simulated_group.hpp"
+#include "comm/wait.cuh"
 #include "gemm/gemm_host.hpp"
 #include "host/simulated_ranks.hpp"
 #include "host/workspace_impl.hpp"
@@ -128,15 +129,10 @@ inline void recreate_rank_stream() {
 // `target` arrivals (or `timeout_ns` on %globaltimer; then ok[rank] stays 0).
 static __global__ void rendezvous_kernel(unsigned* arrived, unsigned target, unsigned long long timeout_ns,
                                          unsigned* ok, int rank) {
-  auto now = [] {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-  };
   atomicAdd(arrived, 1u);
-  const unsigned long long t0 = now();
+  const uint64_t t0 = comm::global_time_ns();
   while (atomicAdd(arrived, 0u) < target) {
-    if (now() - t0 > timeout_ns) return;
+    if (comm::global_time_ns() - t0 > timeout_ns) return;
     __nanosleep(1000);
   }
   ok[rank] = 1u;
@@ -332,7 +328,7 @@ class RankPool {
       MOK_CUDA_CHECK(cudaMemcpy(ok.data(), rdv_ + 1, sizeof(unsigned) * ep_, cudaMemcpyDeviceToHost));
       std::string late;
       for (int i = 0; i < ep_; ++i) {
-        if (ok[i] == 0) late += " " + std::to_string(i);
+        if (ok[i] == 0) late += ' ' + std::to_string(i);
       }
       if (!barrier_.arrive_and_wait(120.0)) return;  // every rank read the flags
       if (late.empty()) {
