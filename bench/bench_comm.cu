@@ -2,35 +2,30 @@
 // (EP = number of GPUs used, one thread per GPU, launch mode (a)), side by side in one run with
 //   - NCCL all-to-all (grouped ncclSend/ncclRecv) of the same bytes per (source, destination)
 //     pair, the own rank's share included (NCCL copies it locally, like dispatch/combine do), and
-//   - plain peer copies of the remote bytes only, every GPU at once: pull and push, through
-//     registers (warp) or bulk async copies (TMA),
-// sweeping the communication CTAs and every copy engine (CopyEngine) of dispatch and combine.
-// DeepSeek-V3-like shape by default (H 7168, top-8, 256 experts, T 8192 per rank, uniform
-// routing). With one GPU the EP=1 self-copy variant runs (local HBM, no NVLink) and the JSON says
-// the EP>=2 figures were not measured.
+//   - plain peer copies of the remote bytes only through registers (16-byte vectors, the kWarp
+//     copy of the roles), every GPU at once: pull and push,
+// sweeping the communication CTAs. DeepSeek-V3-like shape by default (H 7168, top-8, 256
+// experts, T 8192 per rank, uniform routing). With one GPU the EP=1 self-copy variant runs (local
+// HBM, no NVLink) and the JSON says the EP>=2 figures were not measured.
 //
 //   bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 20] [--out file.json]
-//              [--dispatch warp,warp_dedup,warp_dedup_r50,token_major,hybrid,bulk,bulk_dedup]
-//              [--combine warp,warp_inplace,hybrid,bulk]
-//              [--copy pull_warp,push_warp,pull_bulk,push_bulk,pull_warp_min] [--split 33,50,67]
+//              [--dispatch warp,warp_dedup] [--combine warp,warp_inplace]
+//              [--copy pull_warp,push_warp,pull_warp_min]
 //
-// --split P,...: for each P also the kWarp dispatch and combine with the CTA split
-// (role.remote_ctas = P % of the comm CTAs, rounded, in [1, n-1], move the other ranks' rows,
-// the rest the own rows), variants warp_rP; the plain `warp` variants run unsplit
-// (remote_ctas = 0), `warp_auto` with kRemoteCtasAuto (the combine default). Default: none.
-// warp_dedup: the dedup fan-out dispatch (the layer's default); warp_dedup_rP / warp_dedup_auto
-// the same with the CTA split. warp_inplace: the layer's combine (own_rows_in_place: only other
-// ranks' rows move, split evenly over all comm warps by the schedule's remote-row list; the
-// epilogue then reads the own rows in place, timed as epilogue_in_place_ms); warp_inplace_tiles
-// the same by row tiles per CTA. token_major: the fused forward's dispatch (each distinct
-// (token, other rank) lands once in a token-major receive buffer; GEMM 1 gathers from it), whose
-// same-pattern baselines are pull_warp_min (a plain pull of exactly those bytes, one segment per
-// peer) and NCCL all-to-all of those bytes (nccl_a2a_min, own share excluded: nothing is copied
-// for the own rank).
+// Dispatch: `warp` the plain pull (each (token, k) row read on its own; what the macrobatch ring
+// runs), `warp_dedup` the dedup fan-out dispatch (the layer's default: each distinct (token, rank)
+// read once and stored from registers to every row of that token on this rank). Combine: `warp`
+// pushes every real row into its slot (all slots; the ring's combine), `warp_inplace` the layer's
+// combine (own_rows_in_place: only other ranks' rows move, split evenly over all comm warps by the
+// schedule's remote-row list; the epilogue then reads the own rows in place, timed as
+// epilogue_in_place_ms). Copies: pull_warp / push_warp move the remote rows (one per (token, k));
+// pull_warp_min pulls exactly the distinct (token, other rank) rows, one segment per peer: it and
+// NCCL all-to-all of those bytes (nccl_a2a_min, own share excluded: nothing is copied for the own
+// rank) are the same-bytes baselines of the dedup dispatch's NVLink traffic.
 //
 // Bytes, per rank and one way: `dispatch_bytes_moved` = rows from other ranks, one per (token, k)
 // (what crosses NVLink in the plain dispatch and in combine), `dispatch_bytes_min` = distinct
-// (token, rank) pairs from other ranks (what the dedup dispatches move over NVLink). A variant's
+// (token, rank) pairs from other ranks (what the dedup dispatch moves over NVLink). A variant's
 // GB/s divides the bytes IT moves over NVLink by the slowest rank's time; the own rank's rows
 // (`self_bytes`, local HBM) and padding rows are extra work dispatch/combine and NCCL do and the
 // plain copies do not. Times include the role's phase barrier. Every point is printed as soon as
@@ -51,7 +46,7 @@
 #include "bench_timing.hpp"
 #include "comm/comm_state.hpp"
 #include "comm/cuda_check.hpp"
-#include "comm/roles_bulk.cuh"
+#include "comm/roles.cuh"
 #include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
 #include "megakernel/bench_support.hpp"
@@ -63,7 +58,6 @@ namespace {
 using namespace mok;
 using bench::median;
 using bench::time_ms;
-using comm::CopyEngine;
 
 std::vector<std::string> split(const std::string& v) {
   std::vector<std::string> out;
@@ -77,17 +71,30 @@ struct Options {
   int ep = 0;  // 0 = every local GPU
   std::vector<int> ctas{8, 16, 24, 32};
   int iters = 20, warmup = 3;
-  std::vector<std::string> dispatch{"warp", "warp_dedup", "warp_dedup_r50", "token_major", "hybrid", "bulk", "bulk_dedup"};
-  std::vector<std::string> combine{"warp", "warp_inplace", "warp_inplace_tiles", "hybrid", "bulk"};
-  std::vector<std::string> copy{"pull_warp", "push_warp", "pull_bulk", "push_bulk", "pull_warp_min"};
-  std::vector<int> split;  // remote CTA percentages (warp_rP variants)
+  std::vector<std::string> dispatch{"warp", "warp_dedup"};
+  std::vector<std::string> combine{"warp", "warp_inplace"};
+  std::vector<std::string> copy{"pull_warp", "push_warp", "pull_warp_min"};
   std::string out = "bench/results/comm_dsv3.json";  // copy a quoted run to bench/results/<date>-comm.json
 };
 
+constexpr const char* kUsage =
+    "usage: bench_comm [--tokens 8192] [--ep N] [--ctas 8,16,24,32] [--iters 20] [--out file.json]\n"
+    "                  [--dispatch warp,warp_dedup] [--combine warp,warp_inplace]\n"
+    "                  [--copy pull_warp,push_warp,pull_warp_min]\n";
+
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
+  for (int i = 1; i < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
+    }
+    if (i + 1 == argc) {
+      std::fprintf(stderr, "option %s needs a value\n%s", k.c_str(), kUsage);
+      std::exit(2);
+    }
+    const std::string v = argv[i + 1];
     if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--iters") o.iters = std::stoi(v);
@@ -95,14 +102,11 @@ Options parse(int argc, char** argv) {
     else if (k == "--dispatch") o.dispatch = split(v);
     else if (k == "--combine") o.combine = split(v);
     else if (k == "--copy") o.copy = split(v);
-    else if (k == "--split") {
-      for (const auto& x : split(v)) o.split.push_back(std::stoi(x));
-    }
     else if (k == "--ctas") {
       o.ctas.clear();
       for (const auto& x : split(v)) o.ctas.push_back(std::stoi(x));
     } else {
-      std::fprintf(stderr, "unknown option %s\n", k.c_str());
+      std::fprintf(stderr, "unknown option %s\n%s", k.c_str(), kUsage);
       std::exit(2);
     }
   }
@@ -116,61 +120,32 @@ const char* kind_name(Kind k) { return k == Kind::kCopy ? "copy" : k == Kind::kD
 struct Variant {
   Kind kind;
   std::string name;
-  CopyEngine engine = CopyEngine::kWarp;
-  bool dedup = false;  // dispatch: NVLink moves dispatch_bytes_min
-  bool push = false;   // copy: local -> peer
-  bool bulk = false;   // copy: bulk async copies
-  bool risky = false;  // bulk copies over NVLink: measured last
-  int split_pct = 0;   // kWarp: remote CTAs in % of the comm CTAs (0: unsplit, -1: kRemoteCtasAuto)
-  bool in_place = false;  // combine: own_rows_in_place (only other ranks' rows move)
-  bool tiles = false;     // in-place combine by row tiles per CTA instead of the remote-row list
-  bool token_major = false;  // dispatch: token-major landing (NVLink moves dispatch_bytes_min)
-  bool min_bytes = false;    // copy: the distinct (token, rank) bytes only (dispatch_bytes_min)
+  bool dedup = false;      // dispatch: the dedup fan-out (NVLink moves dispatch_bytes_min)
+  bool push = false;       // copy: local -> peer
+  bool in_place = false;   // combine: own_rows_in_place (only other ranks' rows move)
+  bool min_bytes = false;  // copy: the distinct (token, rank) bytes only (dispatch_bytes_min)
 };
-
-// role.remote_ctas of a variant at `ctas` comm CTAs.
-int remote_ctas_of(const Variant& v, int ctas) {
-  if (v.engine != CopyEngine::kWarp || v.split_pct == 0) return 0;
-  if (v.split_pct < 0) return comm::kRemoteCtasAuto;
-  return std::clamp((ctas * v.split_pct + 50) / 100, 1, std::max(ctas - 1, 1));
-}
 
 bool lookup(Kind kind, const std::string& name, Variant& v) {
   v = Variant{kind, name};
-  if (kind == Kind::kCopy) {
-    if (name == "pull_warp_min") {
-      v.min_bytes = true;
-      return true;
-    }
-    if (name != "pull_warp" && name != "push_warp" && name != "pull_bulk" && name != "push_bulk") return false;
-    v.push = name.rfind("push", 0) == 0;
-    v.bulk = name.find("bulk") != std::string::npos;
-    v.risky = v.bulk;
-    return true;
+  switch (kind) {
+    case Kind::kCopy:
+      v.push = name == "push_warp";
+      v.min_bytes = name == "pull_warp_min";
+      return name == "pull_warp" || v.push || v.min_bytes;
+    case Kind::kDispatch:
+      v.dedup = name == "warp_dedup";
+      return name == "warp" || v.dedup;
+    case Kind::kCombine:
+      v.in_place = name == "warp_inplace";
+      return name == "warp" || v.in_place;
   }
-  if (name == "token_major" && kind == Kind::kDispatch) {
-    v.token_major = v.dedup = true;
-    return true;
-  }
-  if (name == "warp" || name == "warp_dedup") v.engine = CopyEngine::kWarp;
-  else if (name == "warp_inplace" && kind == Kind::kCombine) v.in_place = true;
-  else if (name == "warp_inplace_tiles" && kind == Kind::kCombine) v.in_place = v.tiles = true;
-  else if (name == "warp_auto" || name == "warp_dedup_auto") v.split_pct = -1;
-  else if (name.rfind("warp_r", 0) == 0 && name.size() > 6) v.split_pct = std::stoi(name.substr(6));
-  else if (name.rfind("warp_dedup_r", 0) == 0 && name.size() > 12) v.split_pct = std::stoi(name.substr(12));
-  else if (name == "hybrid") v.engine = CopyEngine::kHybrid;
-  else if (name == "bulk" || name == "bulk_dedup") v.engine = CopyEngine::kBulk;
-  else return false;
-  v.dedup = kind == Kind::kDispatch && name.find("dedup") != std::string::npos;
-  if (kind == Kind::kCombine && v.dedup) return false;
-  v.risky = v.engine == CopyEngine::kBulk;  // hybrid's bulk copies are local only
-  return true;
+  return false;
 }
 
-// Safe variants first (registers, local bulk copies), bulk copies over NVLink last: a failure
-// there cannot cost the other measurements.
+// Copies first (the baselines), then dispatch and combine, each in the order given.
 std::vector<Variant> plan(const Options& o) {
-  std::vector<Variant> safe, risky;
+  std::vector<Variant> out;
   auto add = [&](Kind kind, const std::vector<std::string>& names) {
     for (const auto& n : names) {
       Variant v;
@@ -178,25 +153,13 @@ std::vector<Variant> plan(const Options& o) {
         std::fprintf(stderr, "unknown %s variant %s\n", kind_name(kind), n.c_str());
         std::exit(2);
       }
-      (v.risky ? risky : safe).push_back(v);
+      out.push_back(v);
     }
   };
   add(Kind::kCopy, o.copy);
-  std::vector<std::string> dispatch = o.dispatch, combine = o.combine;
-  if (!o.split.empty()) {  // the split variants right after the unsplit warp ones
-    auto with_split = [&](std::vector<std::string>& names) {
-      auto at = std::find(names.begin(), names.end(), "warp");
-      std::vector<std::string> extra{"warp_auto"};
-      for (int pct : o.split) extra.push_back("warp_r" + std::to_string(pct));
-      names.insert(at == names.end() ? names.end() : at + 1, extra.begin(), extra.end());
-    };
-    with_split(dispatch);
-    with_split(combine);
-  }
-  add(Kind::kDispatch, dispatch);
-  add(Kind::kCombine, combine);
-  safe.insert(safe.end(), risky.begin(), risky.end());
-  return safe;
+  add(Kind::kDispatch, o.dispatch);
+  add(Kind::kCombine, o.combine);
+  return out;
 }
 
 struct Point {
@@ -227,59 +190,6 @@ __global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1) copy_warp_ke
                       reinterpret_cast<const int4*>(s.src[p] + c * kWarpChunk), n / 16, lane, comm::StableLoad{});
     }
   }
-}
-
-// Chunks c, c + n, ... of every segment for one CTA's bulk engine.
-struct ChunkSource {
-  const CopySegments* s;
-  int64_t first, c, stride;
-  uint32_t chunk;
-  int p = 0;
-  __device__ bool next(comm::BulkJob& job) {
-    const int lane = threadIdx.x & 31;
-    while (p < s->n) {
-      const int64_t off = c * chunk;
-      if (off < s->bytes[p]) {
-        job.src = s->src[p] + off;
-        job.bytes = static_cast<uint32_t>(std::min<int64_t>(chunk, s->bytes[p] - off));
-        job.valid = lane == 0;
-        job.dst = s->dst[p] + off;
-        job.row = -1;
-        c += stride;
-        return true;
-      }
-      ++p;
-      c = first;
-    }
-    return false;
-  }
-};
-
-__global__ void __launch_bounds__(comm::CommCtaConfig::kThreads, 1)
-    copy_bulk_kernel(const CopySegments s, uint32_t chunk, uint32_t smem_bytes, const comm::WaitContext wait) {
-  extern __shared__ __align__(128) char smem[];
-  const comm::BulkLayout lay = comm::make_bulk_layout(chunk, 1, 0, comm::bulk_usable(smem_bytes));
-  const comm::BulkSmem sm = comm::bulk_setup(smem, lay);
-  if (threadIdx.x >= 32) return;
-  ChunkSource source{&s, blockIdx.x, blockIdx.x, gridDim.x, lay.chunk};
-  comm::TileRowCounter none;
-  comm::bulk_engine<false>(source, sm, none, comm::WaitSite::kTest, wait);
-}
-
-// ---- launches as CommState::dispatch / combine, with the engine chosen --------------------------
-void dispatch(comm::CommState& st, int ctas, const Variant& v, cudaStream_t stream) {
-  comm::DispatchLaunch l = st.dispatch_launch(ctas, v.dedup, v.token_major);
-  l.role.engine = v.engine;
-  l.role.remote_ctas = remote_ctas_of(v, ctas);
-  comm::launch_dispatch(l, stream);
-}
-
-void combine(comm::CommState& st, const __nv_bfloat16* expert_out, int ctas, const Variant& v, cudaStream_t stream) {
-  comm::CombineLaunch l = st.combine_launch(expert_out, ctas, v.in_place);
-  if (v.tiles) l.role.remote_rows = l.role.remote_count = nullptr;
-  l.role.engine = v.engine;
-  l.role.remote_ctas = remote_ctas_of(v, ctas);
-  comm::launch_combine(l, stream);
 }
 
 // ---- timing ----------------------------------------------------------------------------------------
@@ -371,8 +281,6 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     pull_min.bytes[pull_min.n++] = pair_tokens[s][r] * row_bytes;  // distinct tokens of s this rank needs
     off += bytes;
   }
-  const uint32_t copy_smem = comm::BulkConfig::kSmemBytes;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(copy_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, copy_smem));
 
   auto stop_if_failed = [&](const char* what) {
     std::optional<Error> err = st.take_error(stream);
@@ -416,7 +324,7 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     stop_if_failed("nccl");
   }
   if (!sh.failed && ep > 1) {
-    // The distinct (token, rank) rows: what the token-major dispatch moves (no own share).
+    // The distinct (token, rank) rows: what the dedup dispatch reads over NVLink (no own share).
     sh.nccl_min_ms[r] = time_nccl_a2a(pair_tokens, false);
     stop_if_failed("nccl (distinct rows)");
   }
@@ -434,18 +342,13 @@ void run_rank(Shared& sh, const Config& cfg, const std::vector<std::vector<int32
     if (v.kind == Kind::kCopy) {
       const CopySegments& seg = v.min_bytes ? pull_min : v.push ? push : pull;
       p.ms[r] = time_ms(o, sh.sync, stream, [&] {
-        if (v.bulk) {
-          copy_bulk_kernel<<<c, comm::CommCtaConfig::kThreads, copy_smem, stream>>>(seg, static_cast<uint32_t>(row_bytes),
-                                                                                   copy_smem, st.wait_context());
-        } else {
-          copy_warp_kernel<<<c, comm::CommCtaConfig::kThreads, 0, stream>>>(seg);
-        }
+        copy_warp_kernel<<<c, comm::CommCtaConfig::kThreads, 0, stream>>>(seg);
         MOK_CUDA_CHECK(cudaGetLastError());
       });
     } else if (v.kind == Kind::kDispatch) {
-      p.ms[r] = time_ms(o, sh.sync, stream, [&] { dispatch(st, c, v, stream); });
+      p.ms[r] = time_ms(o, sh.sync, stream, [&] { st.dispatch(c, v.dedup, stream); });
     } else {
-      p.ms[r] = time_ms(o, sh.sync, stream, [&] { combine(st, expert_out.get(), c, v, stream); });
+      p.ms[r] = time_ms(o, sh.sync, stream, [&] { st.combine(expert_out.get(), c, v.in_place, stream); });
     }
     const std::string what = std::string(kind_name(v.kind)) + " " + v.name + " @" + std::to_string(c);
     if (stop_if_failed(what.c_str())) break;
@@ -478,8 +381,8 @@ Best best_of(const Shared& sh, Kind kind, int max_ctas, bool dedup, const std::s
   Best b;
   for (const Point& p : sh.points) {
     if (p.v.kind != kind || p.ctas > max_ctas || p.v.dedup != dedup) continue;
-    // The token-major dispatch and its distinct-row copy only when asked for by name.
-    if (only.empty() && (p.v.token_major || p.v.min_bytes)) continue;
+    // The distinct-row copy (fewer bytes than the others) only when asked for by name.
+    if (only.empty() && p.v.min_bytes) continue;
     if (in_place >= 0 && p.v.in_place != (in_place == 1)) continue;
     if (!only.empty() && p.v.name != only) continue;
     const double ms = p.worst();
@@ -511,8 +414,7 @@ void write_json(Shared& sh, const std::string& command) {
   const Best c = ci.ms < cs.ms ? ci : cs;
   const Best d0 = best_of(sh, Kind::kDispatch, 24, false, "warp"), c0 = best_of(sh, Kind::kCombine, 24, false, "warp");
   const Best pw = best_of(sh, Kind::kCopy, 1 << 30, false, "pull_warp");
-  // Token-major dispatch and its same-pattern baselines (distinct (token, rank) bytes).
-  const Best dt = best_of(sh, Kind::kDispatch, 24, true, "token_major");
+  // The same-bytes baselines of the dedup dispatch's NVLink traffic (distinct (token, rank) bytes).
   const Best pm = best_of(sh, Kind::kCopy, 1 << 30, false, "pull_warp_min");
   const double nccl_min_ms = sh.failed || ep < 2 ? NAN : worst(sh.nccl_min_ms);
   const Best cp = best_of(sh, Kind::kCopy, 1 << 30, false);
@@ -537,10 +439,8 @@ void write_json(Shared& sh, const std::string& command) {
     const double g = gbps(nvlink_bytes(p), ms);
     std::printf("%-9s %-11s %5d %9.3f %10.1f %10.3f %10.3f\n", kind_name(p.v.kind), p.v.name.c_str(), p.ctas, ms, g,
                 pw.p ? pw.ms / ms : NAN, nccl_ms / ms);
-    const int rc = remote_ctas_of(p.v, p.ctas);
     sweep << (first ? "" : ",\n    ") << "{\"kind\": \"" << kind_name(p.v.kind) << "\", \"variant\": \"" << p.v.name
-          << "\", \"comm_ctas\": " << p.ctas << ", \"remote_ctas\": "
-          << comm::resolve_remote_ctas(rc, ep, p.ctas) << ", \"ms\": " << fmt(ms) << ", \"nvlink_bytes\": "
+          << "\", \"comm_ctas\": " << p.ctas << ", \"ms\": " << fmt(ms) << ", \"nvlink_bytes\": "
           << static_cast<int64_t>(nvlink_bytes(p)) << ", \"nvlink_GBps\": " << fmt(g) << "}";
     first = false;
   }
@@ -549,11 +449,10 @@ void write_json(Shared& sh, const std::string& command) {
   if (dp.p) std::printf("best plain dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", dp.p->v.name.c_str(), dp.p->ctas, dp.ms, gbps(moved, dp.ms));
   if (dd.p) std::printf("best dedup dispatch <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s NVLink, %.1f GB/s of (token, k) rows delivered)\n",
                         dd.p->v.name.c_str(), dd.p->ctas, dd.ms, gbps(minimum, dd.ms), gbps(moved, dd.ms));
-  if (dt.p) {
-    std::printf("best token-major dispatch <= 24 CTAs: @%d %.3f ms = %.1f GB/s NVLink of %.1f MB; same bytes: pull copy "
-                "%.3f ms (%.1f GB/s, %.3fx), NCCL all-to-all %.3f ms (%.1f GB/s, %.3fx)\n",
-                dt.p->ctas, dt.ms, gbps(minimum, dt.ms), minimum / 1e6, pm.ms, gbps(minimum, pm.ms),
-                pm.ms / dt.ms, nccl_min_ms, gbps(minimum, nccl_min_ms), nccl_min_ms / dt.ms);
+  if (pm.p || std::isfinite(nccl_min_ms)) {
+    std::printf("the dedup dispatch's NVLink bytes alone (%.1f MB): pull copy %.3f ms (%.1f GB/s), NCCL all-to-all "
+                "%.3f ms (%.1f GB/s)\n", minimum / 1e6, pm.ms, gbps(minimum, pm.ms), nccl_min_ms,
+                gbps(minimum, nccl_min_ms));
   }
   if (cs.p) std::printf("best combine into every slot <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", cs.p->v.name.c_str(), cs.p->ctas, cs.ms, gbps(moved, cs.ms));
   if (ci.p) std::printf("best combine, own rows in place, <= 24 CTAs: %s @%d %.3f ms (%.1f GB/s)\n", ci.p->v.name.c_str(), ci.p->ctas, ci.ms, gbps(moved, ci.ms));
@@ -581,10 +480,10 @@ void write_json(Shared& sh, const std::string& command) {
                  "dispatch moves only dispatch_bytes_min over NVLink (dispatch_nvlink_GBps) and delivers the same "
                  "(token, k) rows; the in-place combine moves exactly dispatch_bytes_moved over NVLink and leaves the "
                  "own rank's rows (self_bytes) in place for the epilogue (epilogue_in_place_ms). NCCL copies the own "
-                 "share locally; the plain copies move the remote bytes only. dispatch_token_major_GBps, "
-                 "p2p_copy_min_GBps, nccl_a2a_min_GBps: dispatch_bytes_min (each distinct (token, other rank) row "
-                 "once) over the token-major dispatch's time, a plain pull copy of exactly those bytes, and NCCL "
-                 "all-to-all of exactly those bytes (own share excluded)"
+                 "share locally; the plain copies move the remote bytes only. p2p_copy_min_GBps, nccl_a2a_min_GBps: "
+                 "dispatch_bytes_min (each distinct (token, other rank) row once) over the time of a plain pull "
+                 "copy of exactly those bytes and of NCCL all-to-all of exactly those bytes (own share excluded): "
+                 "the same-bytes baselines of dispatch_dedup_nvlink_GBps"
                : "EP=1 self-copy through HBM (no NVLink); EP=2 figures not measured")
     << "\",\n  \"metrics\": {"
     << "\"dispatch_GBps\": " << fmt(gbps(moved, d.ms)) << ", \"combine_GBps\": " << fmt(gbps(moved, c.ms))
@@ -609,9 +508,7 @@ void write_json(Shared& sh, const std::string& command) {
     << ", \"epilogue_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_ms))
     << ", \"epilogue_in_place_ms\": " << fmt(sh.failed ? NAN : worst(sh.epilogue_in_place_ms))
     << ", \"schedule_ms\": " << fmt(sh.failed ? NAN : worst(sh.schedule_ms))
-    << ",\n    \"dispatch_token_major_ms\": " << fmt(dt.ms) << ", \"dispatch_token_major_ctas\": " << ctas_of(dt)
-    << ", \"dispatch_token_major_GBps\": " << fmt(gbps(minimum, dt.ms))
-    << ", \"p2p_copy_min_ms\": " << fmt(pm.ms) << ", \"p2p_copy_min_GBps\": " << fmt(gbps(minimum, pm.ms))
+    << ",\n    \"p2p_copy_min_ms\": " << fmt(pm.ms) << ", \"p2p_copy_min_GBps\": " << fmt(gbps(minimum, pm.ms))
     << ", \"p2p_copy_min_ctas\": " << ctas_of(pm) << ", \"nccl_a2a_min_ms\": " << fmt(nccl_min_ms)
     << ", \"nccl_a2a_min_GBps\": " << fmt(gbps(minimum, nccl_min_ms)) << "},\n  \"sweep\": [\n    " << sweep.str()
     << "]\n}]";
@@ -624,6 +521,7 @@ void write_json(Shared& sh, const std::string& command) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
+  const std::vector<Variant> variants = plan(o);  // unknown variant names fail here, GPU or not
   const std::string command = bench::command_line(argc, argv);
   const int gpus = bootstrap::local_device_count();
   if (gpus < 1) {
@@ -647,7 +545,7 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<Point> points;
-  for (const Variant& v : plan(o)) {
+  for (const Variant& v : variants) {
     for (int c : o.ctas) points.push_back(Point{v, c});
   }
   Shared sh(o, shape, std::move(points));

@@ -15,53 +15,24 @@
 // full size: fused y == staged y == baseline y (same GEMM tiles, same epilogue).
 //
 //   bench_forward [--shapes dsv3,qwen3,gptoss] [--comm 8,16,24,32] [--iters 10] [--warmup 3] [--warm-ms 300]
-//                 [--minibatch rows (0 = automatic)]
-//                 [--tokens N] [--ep N] [--plain 0|1] [--tiles 0|1] [--token-major 0|1] [--help-rows N] [--fused-sum 0|1]
-//                 [--join N] [--task-counter 0|1] [--push 0|1] [--push-all 0|1] [--push-all-store 0|1]
-//                 [--push-sum 0|1] [--push-all-sum 0|1] [--sum-ctas S]
-//                 [--macrobatch ROWS] [--ring-ctas N] [--ring-sum 0|1] [--stage-x 0|1] [--alt-comm N]
-//                 [--plain-dispatch 0|1] [--global-raster 0|1] [--expert-raster -1|0|1]
+//                 [--minibatch rows (0 = automatic)] [--tokens N] [--ep N]
+//                 [--fused-sum 0|1] [--join N] [--push 0|1] [--push-sum 0|1] [--sum-ctas S]
+//                 [--macrobatch ROWS] [--ring-sum 0|1] [--alt-comm N]
 //                 [--out bench/results/2026-11-30-forward.json] [--trace PREFIX]
 //
-// --plain 1 also times the fused forward with the copy modes off (plain pull dispatch, combine
-// into every slot) at each comm count: fwd_plain_ms (the layer before the dedup fan-out and the
-// in-place combine), same bits. --tiles 1: the same with the in-place combine by row tiles per
-// CTA instead of the schedule's remote-row list (fwd_tiles_ms). --token-major 1: the token-major
-// dispatch with GEMM 1 gathering its rows instead of the fan-out into the expert-major row
-// buffer (fwd_token_major_ms). --help-rows N: the same with FusedForwardOptions::help_rows = N
-// (the GEMM CTAs also dispatch the first N routed rows; -1 automatic = the default, 0 off;
-// fwd_help_ms). --fused-sum 1: the same with the top-k sum inside the fused kernel
-// (FusedForwardOptions::fused_topk_sum; fwd_fused_sum_ms). --join N: the same with
-// FusedForwardOptions::join_gemm = N (comm CTAs taking GEMM tasks after their dispatch share;
-// -1 automatic = the default, 0 none; at EP >= 2 capped at the comm count - 1; fwd_join_ms).
-// --task-counter 0|1: the same with FusedForwardOptions::task_counter (and no comm CTA joining):
-// the tasks round-robin (0) or through the counter (1) (fwd_task_counter_ms). --push 1: the same
-// with GEMM 2's epilogues pushing the combine's rows (FusedForwardOptions::epilogue_push = 1, the
-// comm CTAs joining automatically; fwd_push_ms); --push-all 1: the same with the own rows pushed
-// into the slots too (own_rows_in_place off: at EP 1 every row goes through the push, and
-// expert_out is not written; fwd_push_all_ms); --push-all-store 1: the same with the tiles
-// TMA-stored into expert_out as well (FusedForwardOptions::push_keeps_expert_out, the A/B of the
-// write the push replaces; fwd_push_all_store_ms). --push-sum 1 / --push-all-sum 1: --push / --push-all
-// with the top-k sum inside the fused kernel too (a comm CTA counts the pushed rows per token;
-// fwd_push_sum_ms, fwd_push_all_sum_ms). --sum-ctas S: the top-k sum inside the fused kernel with all
-// but S comm CTAs joining the GEMM work (the S sum tokens while the pass runs; fwd_sum_ctas_ms).
-// --global-raster 1: the same with the routed raster groups of global row tiles instead of groups
-// aligned to experts (FusedForwardOptions::expert_raster = 0; fwd_global_raster_ms).
-// --expert-raster N: FusedForwardOptions::expert_raster = N for the default and every variant of
-// this process (-1 automatic = aligned; for A/Bs in separate processes, where each setting keeps
-// its own clock: scripts/gpu_raster_ab.sh).
-// --macrobatch ROWS: the same layer on a second
-// workspace with Config::macrobatch = ROWS (a multiple of the minibatch, >= two minibatches): the
-// fused forward's routed rows through a ring of ROWS rows (fwd_macrobatch_ms; the routed buffers'
-// bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb); --ring-ctas N sets its
-// FusedForwardOptions::ring_comm_ctas (default -1, automatic); --ring-sum 1 (with --macrobatch) also
-// times the ring with the top-k sum inside the fused kernel (fwd_macrobatch_sum_ms). --stage-x 1: the same with
-// x staged into the window at EP 1 too (FusedForwardOptions::stage_x; by default the EP 1 dispatch
-// reads the caller's x; fwd_stage_x_ms). --alt-comm N: every variant runs with N comm CTAs whatever
-// the sweep's count, and the default at N is one more variant (fwd_alt_comm_ms): counts compared
-// interleaved (one after the other, neighbouring counts swap places from run to run).
-// --plain-dispatch 1: the same with the plain pull dispatch (dedup off; combine and the rest as the
-// default; fwd_plain_dispatch_ms).
+// Variants of the undecided choices (FusedForwardOptions), each timed interleaved with the
+// default at every comm count (A B / B A rounds) and its y compared with the default's bit for
+// bit: --fused-sum 1 the top-k sum inside the fused kernel (fwd_fused_sum_ms); --join N
+// join_gemm = N (at EP >= 2 capped at the comm count - 1; fwd_join_ms); --push 1 GEMM 2's
+// epilogues pushing the combine's rows (fwd_push_ms); --push-sum 1 both (fwd_push_sum_ms);
+// --sum-ctas S the fused sum with all but S comm CTAs joining (fwd_sum_ctas_ms). --macrobatch
+// ROWS: the same layer on a second workspace with Config::macrobatch = ROWS (a multiple of the
+// minibatch, >= two minibatches): the routed rows through a ring (fwd_macrobatch_ms; the routed
+// buffers' bytes of both workspaces in routed_buffer_mb / macrobatch_buffer_mb); --ring-sum 1
+// the ring with the fused sum (fwd_macrobatch_sum_ms). --alt-comm N: every variant at N comm
+// CTAs whatever the sweep's count, and the default at N as one more (fwd_alt_comm_ms).
+// y_hash: FNV-1a 64 of the default's y (the same inputs every run: the bits of two builds
+// compare by it).
 //
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
@@ -102,19 +73,11 @@ struct Options {
   int iters = 10, warmup = 3, ep = 0;
   double warm_ms = 300;  // steady state before each measurement (bench_timing.hpp)
   int64_t minibatch = 0;  // Config::minibatch (0: automatic)
-  bool plain = false, tiles = false, token_major = false, fused_sum = false, push = false, push_all = false,
-       push_all_store = false, stage_x = false, plain_dispatch = false, push_sum = false, push_all_sum = false,
-       ring_sum = false, global_raster = false;
-  int expert_raster = -1;  // --expert-raster: FusedForwardOptions::expert_raster of every mode
+  bool fused_sum = false, push = false, push_sum = false, ring_sum = false;
   bool join_variant = false;  // --join N given: also time the fused forward with FusedForwardOptions::join_gemm = N
   int join = -1;
-  int sum_ctas = 0;  // --sum-ctas S (> 0): the fused sum with all but S comm CTAs joining
-  bool counter_variant = false;  // --task-counter V given
-  int task_counter = -1;
-  bool help_variant = false;  // --help-rows N given: also time the fused forward with FusedForwardOptions::help_rows = N
-  int64_t help_rows = 0;      // (-1 automatic = the default, 0 off)
+  int sum_ctas = 0;           // --sum-ctas S (> 0): the fused sum with all but S comm CTAs joining
   int alt_comm = 0;           // --alt-comm N: the variants (and the default as one more) at N comm CTAs
-  int ring_ctas = -1;         // --ring-ctas N: the ring variant's FusedForwardOptions::ring_comm_ctas
   int64_t macrobatch = 0;     // --macrobatch ROWS: also time a workspace with Config::macrobatch = ROWS
   int64_t tokens = 0;
   std::string out = "bench/results/2026-11-30-forward.json";
@@ -142,36 +105,17 @@ Options parse(int argc, char** argv) {
     else if (k == "--warm-ms") o.warm_ms = std::stod(v);
     else if (k == "--minibatch") o.minibatch = std::stoll(v);
     else if (k == "--macrobatch") o.macrobatch = std::stoll(v);
-    else if (k == "--ring-ctas") o.ring_ctas = std::stoi(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
-    else if (k == "--plain") o.plain = std::stoi(v) != 0;
-    else if (k == "--tiles") o.tiles = std::stoi(v) != 0;
-    else if (k == "--token-major") o.token_major = std::stoi(v) != 0;
     else if (k == "--fused-sum") o.fused_sum = std::stoi(v) != 0;
     else if (k == "--push") o.push = std::stoi(v) != 0;
-    else if (k == "--push-all") o.push_all = std::stoi(v) != 0;
-    else if (k == "--push-all-store") o.push_all_store = std::stoi(v) != 0;
     else if (k == "--push-sum") o.push_sum = std::stoi(v) != 0;
-    else if (k == "--global-raster") o.global_raster = std::stoi(v) != 0;
-    else if (k == "--expert-raster") o.expert_raster = std::stoi(v);
-    else if (k == "--push-all-sum") o.push_all_sum = std::stoi(v) != 0;
     else if (k == "--ring-sum") o.ring_sum = std::stoi(v) != 0;
     else if (k == "--sum-ctas") o.sum_ctas = std::stoi(v);
-    else if (k == "--stage-x") o.stage_x = std::stoi(v) != 0;
     else if (k == "--alt-comm") o.alt_comm = std::stoi(v);
-    else if (k == "--plain-dispatch") o.plain_dispatch = std::stoi(v) != 0;
-    else if (k == "--task-counter") {
-      o.task_counter = std::stoi(v);
-      o.counter_variant = true;
-    }
     else if (k == "--join") {
       o.join = std::stoi(v);
       o.join_variant = true;
-    }
-    else if (k == "--help-rows") {
-      o.help_rows = std::stoll(v);
-      o.help_variant = true;
     }
     else if (k == "--out") o.out = v;
     else if (k == "--trace") o.trace = v;
@@ -304,33 +248,33 @@ struct Baseline {
   }
 };
 
+// FNV-1a 64 of a device buffer's bytes (copied to the host; stream-ordered, synchronises).
+uint64_t fnv1a64(const void* p, size_t bytes, cudaStream_t st) {
+  std::vector<unsigned char> h(bytes);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(h.data(), p, bytes, cudaMemcpyDeviceToHost, st));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+  uint64_t x = 1469598103934665603ull;
+  for (unsigned char c : h) x = (x ^ c) * 1099511628211ull;
+  return x;
+}
+
 // ---- one rank, one shape ---------------------------------------------------------------------------
 struct RankResult {
   std::map<int, double> fused_ms;  // comm CTAs -> ms
-  std::map<int, double> fused_plain_ms;  // the same with the copy modes off (--plain 1)
-  std::map<int, double> fused_tiles_ms;  // in-place combine by row tiles per CTA (--tiles 1)
   std::map<int, double> fused_sum_ms;  // top-k sum inside the fused kernel (--fused-sum 1)
-  std::map<int, double> fused_token_major_ms;  // token-major dispatch + gathering GEMM 1 (--token-major 1)
-  std::map<int, double> fused_help_ms;  // GEMM CTAs dispatching the first rows too (--help-rows N)
   std::map<int, double> fused_join_ms;  // comm CTAs taking GEMM tasks (--join N)
-  std::map<int, double> fused_counter_ms;  // no comm CTA joining, tasks round-robin or by counter (--task-counter V)
   std::map<int, double> fused_push_ms;      // GEMM 2's epilogues pushing the combine's rows (--push 1)
-  std::map<int, double> fused_push_all_ms;  // the same, own rows pushed too (--push-all 1)
-  std::map<int, double> fused_push_all_store_ms;  // the same, expert_out stored too (--push-all-store 1)
-  std::map<int, double> fused_plain_dispatch_ms;  // dedup off, the rest default (--plain-dispatch 1)
   std::map<int, double> fused_alt_comm_ms;  // the default at --alt-comm N comm CTAs
-  std::map<int, double> fused_stage_x_ms;  // x staged into the window at EP 1 too (--stage-x 1)
   std::map<int, double> fused_macrobatch_ms;  // a workspace with the macrobatch ring (--macrobatch ROWS)
   std::map<int, double> fused_push_sum_ms;      // --push with the fused top-k sum (--push-sum 1)
-  std::map<int, double> fused_push_all_sum_ms;  // --push-all with the fused top-k sum (--push-all-sum 1)
   std::map<int, double> fused_macrobatch_sum_ms;  // the ring with the fused top-k sum (--ring-sum 1)
   std::map<int, double> fused_sum_ctas_ms;        // the fused sum, S comm CTAs not joining (--sum-ctas S)
-  std::map<int, double> fused_global_raster_ms;   // routed raster groups of global row tiles (--global-raster 1)
   double routed_buffer_mb = 0, macrobatch_buffer_mb = 0;  // row buffer + h, g, u + expert_out, MB
   double staged_ms = 0, gemms_ms = 0, baseline_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t minibatch = 0;  // the routed rows per overlap step the pass used (Config::minibatch resolved)
   int64_t fused_vs_staged = -1, baseline_vs_fused = -1;  // mismatching elements of y
-  int64_t variants_vs_fused = 0;  // mismatching elements of y over every --plain / --tiles pass
+  int64_t variants_vs_fused = 0;  // mismatching elements of y over every variant's pass
+  uint64_t y_hash = 0;            // FNV-1a 64 of the default's y
 };
 
 RankResult run_shape(const Options& o, const std::string& name, const LayerShape& s,
@@ -365,10 +309,9 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   }
 
   // Fused, sweeping the communication CTAs. At each comm count the default and the variants on
-  // (--plain, --tiles, --token-major, --help-rows, --fused-sum, --join) are timed with their runs
-  // interleaved in A B / B A rounds (timing one after the other read the second slow, whichever
-  // it was: docs/megakernel.md, eighth session), and each variant's y is compared with the
-  // default's.
+  // are timed with their runs interleaved in A B / B A rounds (timing one after the other read
+  // the second slow, whichever it was: docs/megakernel.md), and each variant's y is compared with
+  // the default's.
   using Configure = void (*)(megakernel::FusedForwardOptions&, const Options&);
   struct Mode {
     bool on;
@@ -379,63 +322,21 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   };
   const Mode modes[] = {
       {true, &res.fused_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, ""},
-      {o.plain, &res.fused_plain_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) {
-         fo.dedup = fo.own_rows_in_place = fo.token_major = false;
-       },
-       "-plain"},
-      {o.tiles, &res.fused_tiles_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.combine_remote_list = false; }, "-tiles"},
-      {o.token_major, &res.fused_token_major_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.token_major = true; }, "-token-major"},
       {o.fused_sum, &res.fused_sum_ms,
        [](megakernel::FusedForwardOptions& fo, const Options&) { fo.fused_topk_sum = true; }, "-fused-sum"},
-      {o.help_variant, &res.fused_help_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.help_rows = op.help_rows; }, "-help"},
       {o.join_variant, &res.fused_join_ms,
        [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.join_gemm = op.join; }, "-join"},
-      {o.counter_variant, &res.fused_counter_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options& op) {
-         fo.join_gemm = 0;
-         fo.task_counter = op.task_counter;
-       },
-       "-task-counter"},
       {o.push, &res.fused_push_ms,
        [](megakernel::FusedForwardOptions& fo, const Options&) { fo.epilogue_push = 1; }, "-push"},
-      {o.push_all, &res.fused_push_all_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) {
-         fo.epilogue_push = 1;
-         fo.own_rows_in_place = false;
-       },
-       "-push-all"},
-      {o.push_all_store, &res.fused_push_all_store_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) {
-         fo.epilogue_push = 1;
-         fo.own_rows_in_place = false;
-         fo.push_keeps_expert_out = true;
-       },
-       "-push-all-store"},
-      {o.plain_dispatch, &res.fused_plain_dispatch_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.dedup = false; }, "-plain-dispatch"},
       {o.alt_comm > 0, &res.fused_alt_comm_ms, [](megakernel::FusedForwardOptions&, const Options&) {}, "-alt-comm"},
-      {o.stage_x, &res.fused_stage_x_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.stage_x = true; }, "-stage-x"},
-      {o.macrobatch > 0, &res.fused_macrobatch_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options& op) { fo.ring_comm_ctas = op.ring_ctas; }, "-macrobatch",
-       true},
+      {o.macrobatch > 0, &res.fused_macrobatch_ms, [](megakernel::FusedForwardOptions&, const Options&) {},
+       "-macrobatch", true},
       {o.push_sum, &res.fused_push_sum_ms,
        [](megakernel::FusedForwardOptions& fo, const Options&) {
          fo.epilogue_push = 1;
          fo.fused_topk_sum = true;
        },
        "-push-sum"},
-      {o.push_all_sum, &res.fused_push_all_sum_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) {
-         fo.epilogue_push = 1;
-         fo.own_rows_in_place = false;
-         fo.fused_topk_sum = true;
-       },
-       "-push-all-sum"},
       {o.sum_ctas > 0, &res.fused_sum_ctas_ms,
        [](megakernel::FusedForwardOptions& fo, const Options& op) {
          fo.fused_topk_sum = true;
@@ -443,13 +344,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
        },
        "-sum-ctas"},
       {o.macrobatch > 0 && o.ring_sum, &res.fused_macrobatch_sum_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options& op) {
-         fo.ring_comm_ctas = op.ring_ctas;
-         fo.fused_topk_sum = true;
-       },
-       "-macrobatch-sum", true},
-      {o.global_raster, &res.fused_global_raster_ms,
-       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.expert_raster = 0; }, "-global-raster"},
+       [](megakernel::FusedForwardOptions& fo, const Options&) { fo.fused_topk_sum = true; }, "-macrobatch-sum", true},
   };
   // The workspace a mode runs on, and one pass of it.
   auto ws_of = [&](const Mode* m) -> Workspace& { return m->ring ? *ring_ws : *ws; };
@@ -463,7 +358,6 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     megakernel::FusedForwardOptions fo;
     fo.comm_ctas = variant && o.alt_comm > 0 ? o.alt_comm : c;
     fo.timeout_s = cfg.wait_timeout_s;
-    fo.expert_raster = o.expert_raster;
     configure(fo, o);
     // --join N is capped so that one comm CTA still combines at EP >= 2 (a sweep may go below N).
     if (fo.join_gemm > 0) fo.join_gemm = std::min(fo.join_gemm, fo.comm_ctas - (s.ep > 1 ? 1 : 0));
@@ -476,6 +370,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     impl.last_stream = st;
     ws->check();
     MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
+    res.y_hash = fnv1a64(y_ref.get(), y_ref.bytes(), st);
   }
   for (int c : o.comm) {
     // The default and the variants on, timed interleaved (time_interleaved_ms).
@@ -621,114 +516,43 @@ int main(int argc, char** argv) {
       if (ran) sweep << ", \"fwd_" << name << "_ms\": " << fmt(best_v);
       return best_v;
     };
-    const double best_plain = variant(o.plain, "plain", &RankResult::fused_plain_ms);
-    const double best_tiles = variant(o.tiles, "tiles", &RankResult::fused_tiles_ms);
-    const double best_token_major = variant(o.token_major, "token_major", &RankResult::fused_token_major_ms);
     const double best_fused_sum = variant(o.fused_sum, "fused_sum", &RankResult::fused_sum_ms);
-    const double best_help = variant(o.help_variant, "help", &RankResult::fused_help_ms);
     const double best_join = variant(o.join_variant, "join", &RankResult::fused_join_ms);
-    const double best_counter = variant(o.counter_variant, "task_counter", &RankResult::fused_counter_ms);
     const double best_push = variant(o.push, "push", &RankResult::fused_push_ms);
-    const double best_push_all = variant(o.push_all, "push_all", &RankResult::fused_push_all_ms);
-    const double best_push_all_store =
-        variant(o.push_all_store, "push_all_store", &RankResult::fused_push_all_store_ms);
-    const double best_plain_dispatch = variant(o.plain_dispatch, "plain_dispatch", &RankResult::fused_plain_dispatch_ms);
     const double best_alt_comm = variant(o.alt_comm > 0, "alt_comm", &RankResult::fused_alt_comm_ms);
-    const double best_stage_x = variant(o.stage_x, "stage_x", &RankResult::fused_stage_x_ms);
     const double best_macrobatch = variant(o.macrobatch > 0, "macrobatch", &RankResult::fused_macrobatch_ms);
     const double best_push_sum = variant(o.push_sum, "push_sum", &RankResult::fused_push_sum_ms);
-    const double best_push_all_sum = variant(o.push_all_sum, "push_all_sum", &RankResult::fused_push_all_sum_ms);
     const bool ring_sum = o.macrobatch > 0 && o.ring_sum;
     const double best_sum_ctas = variant(o.sum_ctas > 0, "sum_ctas", &RankResult::fused_sum_ctas_ms);
     const double best_macrobatch_sum = variant(ring_sum, "macrobatch_sum", &RankResult::fused_macrobatch_sum_ms);
-    const double best_global_raster = variant(o.global_raster, "global_raster", &RankResult::fused_global_raster_ms);
     bool ps = true;
     for (const auto& r : res[i]) ps &= r.variants_vs_fused == 0;
-    if (o.plain || o.tiles || o.token_major || o.help_variant || o.fused_sum || o.join_variant || o.counter_variant ||
-        o.push || o.push_all || o.push_all_store || o.macrobatch > 0 || o.stage_x || o.alt_comm > 0 || o.plain_dispatch ||
-        o.push_sum || o.push_all_sum || o.sum_ctas > 0 || o.global_raster)
-      sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
+    const bool any_variant =
+        o.fused_sum || o.join_variant || o.push || o.macrobatch > 0 || o.alt_comm > 0 || o.push_sum || o.sum_ctas > 0;
+    if (any_variant) sweep << ", \"variants_equal_fused\": " << (ps ? "true" : "false");
     sweep << ", \"routed_buffer_mb\": " << fmt(res[i][0].routed_buffer_mb);
-    if (o.plain_dispatch) {
-      std::printf("%-7s plain pull dispatch (dedup off): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  best_plain_dispatch, ps ? "yes" : "NO");
-    }
-    if (o.alt_comm > 0) {
-      sweep << ", \"alt_comm\": " << o.alt_comm;
-      std::printf("%-7s the default at %d comm CTAs (the variants too): best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), o.alt_comm, best_alt_comm, ps ? "yes" : "NO");
-    }
-    if (o.stage_x) {
-      std::printf("%-7s x staged into the window (EP 1 too): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  best_stage_x, ps ? "yes" : "NO");
-    }
+    char hash[32];
+    std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(res[i][0].y_hash));
+    sweep << ", \"y_hash\": \"" << hash << "\"";
+    auto line = [&](bool on, const std::string& what, double ms) {
+      if (on) std::printf("%-7s %s: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(), what.c_str(), ms, ps ? "yes" : "NO");
+    };
+    if (o.alt_comm > 0) sweep << ", \"alt_comm\": " << o.alt_comm;
+    line(o.alt_comm > 0, "the default at " + std::to_string(o.alt_comm) + " comm CTAs (the variants too)", best_alt_comm);
     if (o.macrobatch > 0) {
-      sweep << ", \"macrobatch\": " << o.macrobatch << ", \"ring_ctas\": " << o.ring_ctas << ", \"macrobatch_buffer_mb\": "
-            << fmt(res[i][0].macrobatch_buffer_mb);
-      std::printf("%-7s macrobatch ring of %lld rows: best %.3f ms, routed buffers %.0f -> %.0f MB, same bits: %s\n",
-                  o.shapes[i].c_str(), static_cast<long long>(o.macrobatch), best_macrobatch,
-                  res[i][0].routed_buffer_mb, res[i][0].macrobatch_buffer_mb, ps ? "yes" : "NO");
+      sweep << ", \"macrobatch\": " << o.macrobatch << ", \"macrobatch_buffer_mb\": " << fmt(res[i][0].macrobatch_buffer_mb);
+      line(true, "macrobatch ring of " + std::to_string(o.macrobatch) + " rows (routed buffers " +
+                     fmt(res[i][0].routed_buffer_mb) + " -> " + fmt(res[i][0].macrobatch_buffer_mb) + " MB)",
+           best_macrobatch);
     }
-    if (ring_sum) {
-      std::printf("%-7s macrobatch ring with the top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_macrobatch_sum, ps ? "yes" : "NO");
-    }
-    if (o.fused_sum) {
-      std::printf("%-7s top-k sum inside the fused kernel: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  best_fused_sum, ps ? "yes" : "NO");
-    }
-    if (o.sum_ctas > 0) {
-      sweep << ", \"sum_ctas\": " << o.sum_ctas;
-      std::printf("%-7s top-k sum inside, %d comm CTAs not joining: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), o.sum_ctas, best_sum_ctas, ps ? "yes" : "NO");
-    }
-    if (o.global_raster) {
-      std::printf("%-7s routed raster groups of global row tiles: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  best_global_raster, ps ? "yes" : "NO");
-    }
-    if (o.push_sum) {
-      std::printf("%-7s GEMM 2's epilogues pushing + top-k sum inside: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_push_sum, ps ? "yes" : "NO");
-    }
-    if (o.push_all_sum) {
-      std::printf("%-7s pushing every row + top-k sum inside: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  best_push_all_sum, ps ? "yes" : "NO");
-    }
-    if (o.token_major) {
-      std::printf("%-7s token-major dispatch + GEMM 1 gathering its rows: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_token_major, ps ? "yes" : "NO");
-    }
-    if (o.help_variant) {
-      std::printf("%-7s GEMM CTAs dispatching the first rows (help_rows %lld): best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), static_cast<long long>(o.help_rows), best_help, ps ? "yes" : "NO");
-    }
-    if (o.counter_variant) {
-      std::printf("%-7s no comm CTA joining, task_counter %d: best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  o.task_counter, best_counter, ps ? "yes" : "NO");
-    }
-    if (o.join_variant) {
-      std::printf("%-7s comm CTAs taking GEMM tasks (join_gemm %d): best %.3f ms, same bits: %s\n", o.shapes[i].c_str(),
-                  o.join, best_join, ps ? "yes" : "NO");
-    }
-    if (o.push) {
-      std::printf("%-7s GEMM 2's epilogues pushing the combine's rows: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_push, ps ? "yes" : "NO");
-    }
-    if (o.push_all) {
-      std::printf("%-7s GEMM 2's epilogues pushing every row (own rows too): best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_push_all, ps ? "yes" : "NO");
-    }
-    if (o.push_all_store) {
-      std::printf("%-7s the same, tiles stored into expert_out too: best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_push_all_store, ps ? "yes" : "NO");
-    }
-    if (o.tiles) {
-      std::printf("%-7s in-place combine by row tiles per CTA: best %.3f ms\n", o.shapes[i].c_str(), best_tiles);
-    }
-    if (o.plain) {
-      std::printf("%-7s copy modes off (plain dispatch, all-slots combine): best %.3f ms, same bits: %s\n",
-                  o.shapes[i].c_str(), best_plain, ps ? "yes" : "NO");
-    }
+    line(ring_sum, "macrobatch ring with the top-k sum inside the fused kernel", best_macrobatch_sum);
+    line(o.fused_sum, "top-k sum inside the fused kernel", best_fused_sum);
+    if (o.sum_ctas > 0) sweep << ", \"sum_ctas\": " << o.sum_ctas;
+    line(o.sum_ctas > 0, "top-k sum inside, " + std::to_string(o.sum_ctas) + " comm CTAs not joining", best_sum_ctas);
+    line(o.push_sum, "GEMM 2's epilogues pushing + top-k sum inside", best_push_sum);
+    line(o.join_variant, "comm CTAs taking GEMM tasks (join_gemm " + std::to_string(o.join) + ")", best_join);
+    line(o.push, "GEMM 2's epilogues pushing the combine's rows", best_push);
+    std::printf("%-7s y_hash %s\n", o.shapes[i].c_str(), hash);
     const double flops = megakernel::forward_flops(s);
     const double staged = worst([](const RankResult& r) { return r.staged_ms; });
     const double gemms = worst([](const RankResult& r) { return r.gemms_ms; });

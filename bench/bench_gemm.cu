@@ -5,10 +5,9 @@
 //   - a cuBLAS grouped baseline: one cublasGemmEx per expert segment.
 // TFLOP/s count useful FLOPs (real rows only). CUDA events, warm-up, median of repeats,
 // random non-zero inputs. Usage: bench_gemm [--shape dsv3|qwen3|gptoss|all] [--reps N]
-//                                           [--json FILE] [--commit STR] [--quick] [--sweep]
+//                                           [--json FILE] [--commit STR] [--quick]
 //                                           [--segments uniform,skewed,random]
 //                                           [--warm-ms MS (300; --quick 50)] [--series]
-// --sweep adds developer variants on dsv3 (cluster attribute, raster group sizes).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -354,7 +353,7 @@ double padding_fraction(const ModelShape& s, SegMode mode) {
   return padded > 0 ? 1.0 - double(real) / double(padded) : 0.0;
 }
 
-std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool sweep, cudaStream_t stream,
+std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaStream_t stream,
                               cublasHandle_t blas) {
   Bench b{s, mode, reps, stream, blas};
   b.setup();
@@ -415,18 +414,6 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, bool 
     const auto L2 = b.launch(2);  // 2-CTA clusters with B multicast, for comparison
     res.push_back({"gemm1_swiglu_cluster2", f,
                    median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L2, stream); }, reps, stream), d, 0});
-    if (sweep && std::string(s.name) == "dsv3") {
-      setenv("MOK_GEMM_CLUSTER_ATTR", "1", 1);  // single CTAs launched with a cluster attribute
-      res.push_back({"gemm1_swiglu_cluster1_attr", f,
-                     median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L, stream); }, reps, stream), d, 0});
-      unsetenv("MOK_GEMM_CLUSTER_ATTR");
-      for (const char* gm : {"2", "4", "16", "64"}) {  // raster group sweep (row tiles per group)
-        setenv("MOK_GEMM_GROUP_M", gm, 1);
-        res.push_back({std::string("gemm1_swiglu_group") + gm, f,
-                       median_ms([&] { gemm1_swiglu({b.seg, H, I, x, wg, wu, h, g, u}, L, stream); }, reps, stream), d, 0});
-      }
-      unsetenv("MOK_GEMM_GROUP_M");
-    }
   }
   // GEMM 2: 2 * rows * H * I.
   {
@@ -500,7 +487,7 @@ double tflops(double f, float ms) { return ms > 0 ? f / (ms * 1e-3) / 1e12 : 0.0
 int main(int argc, char** argv) {
   std::string only = "all", json, commit = "unknown", segments = "uniform,skewed,random";
   int reps = 15;
-  bool sweep = false, quick = false;
+  bool quick = false;
   double warm_ms = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -511,7 +498,6 @@ int main(int argc, char** argv) {
     else if (a == "--quick") reps = 5, quick = true;
     else if (a == "--warm-ms" && i + 1 < argc) warm_ms = std::atof(argv[++i]);
     else if (a == "--series") g_series = true;
-    else if (a == "--sweep") sweep = true;
     else if (a == "--segments" && i + 1 < argc) segments = argv[++i];
     else {
       std::fprintf(stderr, "bench_gemm: unknown or incomplete argument '%s' (see the usage at the top of bench_gemm.cu)\n", a.c_str());
@@ -541,7 +527,7 @@ int main(int argc, char** argv) {
     if (only != "all" && only != s.name) continue;
     for (SegMode mode : {SegMode::kUniform, SegMode::kSkewed, SegMode::kRandom}) {
       if (("," + segments + ",").find(std::string(",") + seg_name(mode) + ",") == std::string::npos) continue;
-      const auto res = run_shape(s, mode, reps, sweep, stream, blas);
+      const auto res = run_shape(s, mode, reps, stream, blas);
       std::string metrics;
       for (const Result& r : res) {
         const double t = tflops(r.flops, r.ms), d = tflops(r.flops, r.dense_ms), g = tflops(r.flops, r.grouped_ms);

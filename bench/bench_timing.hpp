@@ -2,7 +2,7 @@
 // together (host barrier), warm-up runs dropped, the median reported.
 //
 // Steady state: an H200 runs these kernels at its ~700 W power cap, and the first launches after
-// a lighter phase run at a higher clock (docs/gemm.md, fifth session). Options with a `warm_ms`
+// a lighter phase run at a higher clock (docs/gemm.md, 2026-12-01). Options with a `warm_ms`
 // member > 0 (bench_forward's --warm-ms) run the op for about that long after the `warmup` runs,
 // before the timed ones, for every measurement alike (ours and cuBLAS), as bench_gemm does.
 #pragma once
@@ -33,7 +33,7 @@ inline std::atomic<int> g_warm_iters{0};
 // n variants of one op (op(j), j in [0, n)) compared with each other: their runs are
 // interleaved, in A B .. then .. B A order on alternate rounds, after a common warm-up, so every
 // variant sees the same clock and temperature. (Timing them one after the other read the second
-// 2-10 % slow at the H200's power cap, whichever it was: docs/megakernel.md, eighth session.)
+// 2-10 % slow at the H200's power cap, whichever it was: docs/megakernel.md, 2026-12-01.)
 // Returns the median per variant.
 template <class Options, class Op>
 std::vector<double> time_interleaved_ms(const Options& o, std::barrier<>& sync, cudaStream_t stream, int n, Op op) {

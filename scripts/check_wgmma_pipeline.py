@@ -5,8 +5,8 @@ ptxas does not fail a build whose wgmma instructions it had to serialise; it pri
 line (C7510 a call crosses the pipeline, C7511 too few registers, C7514 non-wgmma code reads
 accumulator registers, C7515 non-wgmma code defines them, C7518 divergent path) and the kernel
 silently loses 5-30 %: a task loop without a bound cost the fused forward 5-10 % this way
-(docs/megakernel.md, ninth session), a branch around the wgmma issue 5-7 % (C7514, which this
-check missed until the sixteenth session). So besides the known codes, any line saying that
+(docs/megakernel.md), a branch around the wgmma issue 5-7 % (C7514, which this
+check missed until 2026-12-02, 8073c7d). So besides the known codes, any line saying that
 wgmma instructions "are serialized" fails the check.
 This recompiles the named sources with the build's own command (compile_commands.json) plus
 -Xptxas -v and fails on any of those lines.

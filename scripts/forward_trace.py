@@ -106,7 +106,7 @@ def report(path, t, bins):
                 if sel.any():
                     parts.append(f"{name} {label} {int(sel.sum())} x {1e3 * work[sel].mean():.1f}/{1e3 * main[sel].mean():.1f}")
         print("by real rows (tasks x per tile us / K loop us): " + ", ".join(parts))
-    # Lockstep (docs/megakernel.md, seventeenth session): tasks (rt, n) and (rt + 1, n) share
+    # Lockstep (docs/megakernel.md, 2026-12-02): tasks (rt, n) and (rt + 1, n) share
     # their B tile when both row tiles belong to one expert, and one DRAM read serves both only
     # while they run in step. Their begin-time difference, per routed kind (the trace has no
     # expert id, so pairs across an expert boundary are counted too).

@@ -4,7 +4,7 @@
 #   scripts/gpu_comm.sh build   # CPU machine: CMake/Ninja in build-commperf, binaries + libmok.so -> .devbin/commperf/
 #   scripts/gpu_comm.sh run     # GPU machine, repo root: tests, compute-sanitizer, torchrun mode, bench
 #   scripts/gpu_comm.sh perf    # GPU machine: test_comm, test_comm_errors, bench_comm sweep (one short call)
-#   scripts/gpu_comm.sh v3      # GPU machine: comm + forward tests, bench_comm split sweep, bench_forward dsv3,qwen3
+#   scripts/gpu_comm.sh v3      # GPU machine: comm + forward tests, bench_comm sweep, bench_forward dsv3,qwen3
 #   STEPS_ONLY="test_comm bench_comm" scripts/gpu_comm.sh run   # a subset of the steps
 #   BIN=.devbin/comm2 BUILD=build-comm2 scripts/gpu_comm.sh ...  # other binary / build folders
 #
@@ -48,7 +48,7 @@ gpu_env() {
   export LD_LIBRARY_PATH=$PWD/$BIN:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}
 }
 
-# The short device call of the performance work: correctness of every engine, then the sweep.
+# The short device call of the performance work: correctness of the roles, then the sweep.
 perf() {
   gpu_env
   OUT=${OUT:-comm-out}; mkdir -p "$OUT"
@@ -64,8 +64,9 @@ perf() {
   sed -n '/^bench_comm: EP=.*T=/,$p' "$LOGS/bench_comm.log" | head -80
 }
 
-# The v3 call (one short device call, <= 150 s): the kWarp roles generic over the warp count and
-# the remote / own CTA split. Needs test_forward and bench_forward in $BIN too.
+# The v3 call (one short device call, <= 150 s): comm and forward tests, the bench_comm sweep of
+# every kept variant (warp / warp_dedup dispatch, warp / warp_inplace combine, the plain copies),
+# bench_forward. Needs test_forward and bench_forward in $BIN too.
 v3() {
   gpu_env
   OUT=${OUT:-comm-out}; mkdir -p "$OUT"
@@ -79,8 +80,7 @@ v3() {
   local NGPU=$(nvidia-smi -L | wc -l)
   { nvidia-smi -L; nvidia-smi topo -m; } > "$LOGS/env.log" 2>&1
   step test_comm         20 $BIN/test_comm
-  step bench_comm        22 $BIN/bench_comm --ctas 8,12,16,24,32 --dispatch warp --combine warp \
-                              --copy pull_warp,push_warp --split 33,50,67 --out "$OUT/comm_v3_ep$NGPU.json"
+  step bench_comm        22 $BIN/bench_comm --ctas 8,12,16,24,32 --out "$OUT/comm_v3_ep$NGPU.json"
   step test_forward      35 $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*:Ep/ForwardVsReference.*:Ep/ForwardDeterminism.*:FusedForward.*'
   step bench_forward     55 $BIN/bench_forward --shapes dsv3,qwen3 --comm 8,16,24 --iters 5 --warmup 2 --out "$OUT/forward_v2.json"
   step test_comm_errors  12 $BIN/test_comm_errors

@@ -1,7 +1,7 @@
 #!/bin/bash
 # DRAM bytes and L2 hit rate of the fused forward kernel and of the standalone grouped GEMMs on
 # the same routed rows (the staged forward's and forward_gemms_only's launches), one line per
-# launch (docs/megakernel.md, seventeenth session). GPU machine, binaries of
+# launch (docs/megakernel.md, 2026-12-02, 6724e9a). GPU machine, binaries of
 # `scripts/gpu_validate.sh build` (carry .devbin):
 #   SHAPE=dsv3 scripts/gpu_dram_bytes.sh      # ncu.csv under $OUT, the table printed
 set -uo pipefail

@@ -1,10 +1,10 @@
 #!/bin/bash
-# The EP 2 calls that decide the forward's EP >= 2 defaults (docs/megakernel.md, "Next, with a
-# 2-GPU lease"), on an nvidia-h200-x2 machine, with the binaries of `scripts/gpu_validate.sh build`
+# The EP 2 calls that decide the forward's EP >= 2 defaults (docs/megakernel.md, "Open questions:
+# what waits for EP 2"), on an nvidia-h200-x2 machine, with the binaries of `scripts/gpu_validate.sh build`
 # (carry .devbin):
 #   scripts/gpu_ep2_decide.sh a   # test_comm + test_forward at EP 1-2 (real ranks), then the fused sum, the
 #                                 # epilogue push and both together against the default (~8 min)
-#   scripts/gpu_ep2_decide.sh b   # that bench again (+ the global raster groups), then the macrobatch
+#   scripts/gpu_ep2_decide.sh b   # that bench again, then the macrobatch
 #                                 # ring at EP 2 (~7 min)
 # Logs and bench JSON under $OUT; the summary lines are printed last.
 set -uo pipefail
@@ -25,9 +25,8 @@ if [ "${1:-a}" = a ]; then
   timeout 250 $BF --comm 6,8,16 --fused-sum 1 --push 1 --push-sum 1 --out $OUT/forward-a.json > $OUT/bench-a.log 2>&1; echo "bench rc=$?"
   grep -E '^(gptoss|qwen3|dsv3)' $OUT/bench-a.log
 else
-  # + the routed raster groups of global row tiles (the default aligns them to experts since
-  # 2ef3df7, measured at EP 1 only)
-  timeout 300 $BF --comm 6,8,16 --fused-sum 1 --push 1 --push-sum 1 --global-raster 1 --out $OUT/forward-b.json \
+  # the same bench once more (a second sample of the same build)
+  timeout 300 $BF --comm 6,8,16 --fused-sum 1 --push 1 --push-sum 1 --out $OUT/forward-b.json \
     > $OUT/bench-b.log 2>&1; echo "bench rc=$?"
   grep -E '^(gptoss|qwen3|dsv3)' $OUT/bench-b.log
   timeout 200 $BF --comm 6,16 --macrobatch 16384 --ring-sum 1 --out $OUT/forward-ring.json > $OUT/bench-ring.log 2>&1; echo "bench ring rc=$?"

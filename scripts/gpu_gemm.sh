@@ -71,9 +71,7 @@ run() {
         local t0=$SECONDS
         $BIN/test_gemm > "$OUT/tests.log" 2>&1
         echo "tests: rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests.log" | tr '\n' ' ') ($((SECONDS - t0)) s)" | tee -a "$OUT/summary.txt"
-        grep -E "FAILED|Failure|error" "$OUT/tests.log" | head -20
-        MOK_GEMM_CLUSTER_ATTR=1 $BIN/test_gemm > "$OUT/tests_attr.log" 2>&1
-        echo "tests (MOK_GEMM_CLUSTER_ATTR=1): rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests_attr.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt" ;;
+        grep -E "FAILED|Failure|error" "$OUT/tests.log" | head -20 ;;
       sanitizer)
         local t0=$SECONDS
         compute-sanitizer --tool memcheck --error-exitcode 9 $BIN/test_gemm --gtest_filter='GemmGrouped.SanitizerSmall*' \

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The EP >= 2 GPU tests as simulated ranks on ONE GPU (tests/gpu/test_comm_harness.cuh,
-# docs/comm.md "Simulated ranks"), repeated to catch rare hangs: test_comm's EP 2/4/8 cases and
+# docs/comm.md "Launch modes" (c)), repeated to catch rare hangs: test_comm's EP 2/4/8 cases and
 # test_forward's EP >= 2 cases, D3 and the 2-rank error paths. Functional only: no NVLink, no
 # performance. With as many GPUs as ranks the same tests run on real ranks instead.
 #

@@ -64,7 +64,7 @@ run() {
   step memcheck_forward 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
   step racecheck_forward 300 $SAN --tool racecheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
   step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'
-  step memcheck_comm    120 $SAN --tool memcheck $BIN/test_comm --gtest_filter='Ep1/CommPipeline.*:Ep1/CommEngines.*AllTokens*'
+  step memcheck_comm    120 $SAN --tool memcheck $BIN/test_comm --gtest_filter='Ep1/CommPipeline.*:Ep1/CommCtaCounts.*AllTokens*'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
   # EP 2 as simulated ranks on one GPU (tests/gpu/test_comm_harness.cuh): every peer pointer is
   # on this device, so memcheck sees the cross-rank stores too. Only with fewer GPUs than 2.

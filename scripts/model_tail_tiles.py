@@ -2,7 +2,7 @@
 """Model of the routed row tiles under uniform random top-k routing (pure Python, no numpy):
 per rank, the 128-row tiles, their padding, the tail tiles with <= 64 real rows, and the
 share of the routed tile work that two ways of computing such tails would save (docs/gemm.md,
-fifteenth session): a pair tile (two experts' tails, 2 B tiles per K step, ~1.67 full tiles
+2026-12-02): a pair tile (two experts' tails, 2 B tiles per K step, ~1.67 full tiles
 for two tails at the L2 -> SM fill bound) and a wide tail tile (one tail, 2 column blocks,
 64-row A box: 8 + 64 KiB per K step = 1.5 full tiles for two column blocks). Usage: python3 scripts/model_tail_tiles.py (about 5 s)."""
 import random

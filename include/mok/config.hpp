@@ -22,7 +22,7 @@ struct Config {
   // Routed rows kept resident (rows of the expert-major buffer): 0 = all of them. Otherwise a
   // positive multiple of the minibatch; below buffer_rows_per_rank it must hold at least two
   // minibatches, and the fused forward then runs its routed rows through a ring of that many
-  // rows (dispatched rows, hidden rows, the saved g and u; docs/megakernel.md "Macrobatch"),
+  // rows (dispatched rows, hidden rows, the saved g and u; docs/megakernel.md "The macrobatch ring"),
   // so the workspace's routed buffers shrink to it; after the pass the ring holds the saved
   // context of the last macrobatch of row tiles (backward recomputes the others). Speed and
   // memory only: the same bits (D2).

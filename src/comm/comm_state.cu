@@ -75,14 +75,7 @@ void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
-__nv_bfloat16* CommState::recv_buffer() {
-  if (recv_buffer_.size() == 0) {
-    recv_buffer_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(shape_.ep) * shape_.tokens * shape_.hidden);
-  }
-  return recv_buffer_.get();
-}
-
-DispatchRole CommState::dispatch_role(bool dedup, bool token_major) {
+DispatchRole CommState::dispatch_role(bool dedup) {
   DispatchRole r;
   r.peers = peers();
   r.x_offset = layout_.x;
@@ -98,13 +91,6 @@ DispatchRole CommState::dispatch_role(bool dedup, bool token_major) {
   r.dest_row = schedule_->dest_row.get();
   r.tokens = shape_.tokens;
   r.topk = shape_.topk;
-  if (token_major) {
-    r.token_major = true;
-    r.recv = reinterpret_cast<char*>(recv_buffer());
-    r.land_rows = schedule_->land_rows.get();
-    r.land_count = schedule_->land_count.get();
-    r.minibatch_rows = schedule_->minibatch;
-  }
   return r;
 }
 
@@ -125,8 +111,8 @@ CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_ro
   return r;
 }
 
-DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, bool token_major) {
-  if (row_buffer_is_ring() && !token_major) {
+DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
+  if (row_buffer_is_ring()) {
     throw_invalid("Config.macrobatch",
                   "0 or at least the routed buffer (" + std::to_string(schedule_->buffer_rows) +
                       " rows) for the standalone dispatch (staged forward, comm benchmarks): it writes every routed "
@@ -134,7 +120,7 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, bool token_major
                   std::to_string(config_.macrobatch));
   }
   DispatchLaunch l;
-  l.role = dispatch_role(dedup, token_major);
+  l.role = dispatch_role(dedup);
   l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
   l.ctas = ctas;
   l.counters = counters_.get();
@@ -144,10 +130,6 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, bool token_major
 
 void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
   launch_dispatch(dispatch_launch(ctas, dedup), stream);
-}
-
-void CommState::dispatch_token_major(int ctas, cudaStream_t stream) {
-  launch_dispatch(dispatch_launch(ctas, false, true), stream);
 }
 
 CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place) {

@@ -49,16 +49,13 @@ class CommState {
   void stage_x(const __nv_bfloat16* x, cudaStream_t stream);
   // Barrier (x staged everywhere), then pull every routed row into row_buffer().
   void dispatch(int ctas, bool dedup, cudaStream_t stream);
-  // Token-major dispatch (DispatchRole::token_major): each other rank's token this rank needs
-  // lands once in recv_buffer() (row src * T + token); own tokens and row_buffer() untouched.
-  void dispatch_token_major(int ctas, cudaStream_t stream);
-  // The launch descriptors behind dispatch()/combine(), for callers that pick another copy
-  // engine or split (tests, benchmarks) before launch_dispatch/launch_combine. Each consumes
-  // one barrier epoch: launch it exactly once, on every rank.
-  DispatchLaunch dispatch_launch(int ctas, bool dedup, bool token_major = false);
+  // The launch descriptors behind dispatch()/combine(), for callers that adjust a role (tests,
+  // benchmarks) before launch_dispatch/launch_combine. Each consumes one barrier epoch: launch
+  // it exactly once, on every rank.
+  DispatchLaunch dispatch_launch(int ctas, bool dedup);
   // The roles alone (no barrier epoch consumed): what dispatch_launch / combine_launch carry,
   // and what the fused kernel runs beside its own barriers.
-  DispatchRole dispatch_role(bool dedup, bool token_major = false);
+  DispatchRole dispatch_role(bool dedup);
   CombineRole combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place) const;
   CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place);
   // Push expert_out [buffer_rows, H] rows to their slots, then barrier. own_rows_in_place: only
@@ -95,8 +92,6 @@ class CommState {
   // Rows of row_buffer(): the schedule's buffer_rows, or fewer for the macrobatch ring.
   int64_t row_buffer_rows() const { return row_buffer_rows_; }
   bool row_buffer_is_ring() const { return row_buffer_rows_ < schedule_->buffer_rows; }
-  // [ep * T, H] token-major receive buffer; allocated on first use (token-major dispatch only).
-  __nv_bfloat16* recv_buffer();
   uint32_t* ready_counters() const { return counters_.get(); }  // [max_minibatches]
   uint32_t* tile_flags() const { return counters_.get() + schedule_->max_minibatches; }
   GroupSync* sync(SyncSite site) const { return syncs_.get() + static_cast<int>(site); }
@@ -113,7 +108,6 @@ class CommState {
   std::unique_ptr<SymmetricWindow> window_;
   std::unique_ptr<ScheduleBuffers> schedule_;
   DeviceBuffer<__nv_bfloat16> row_buffer_;
-  DeviceBuffer<__nv_bfloat16> recv_buffer_;
   DeviceBuffer<uint32_t> counters_;
   DeviceBuffer<GroupSync> syncs_;
   DeviceBuffer<DeviceErrorRecord> error_;

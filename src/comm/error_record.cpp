@@ -14,7 +14,6 @@ const char* wait_site_name(WaitSite site) {
     case WaitSite::kReadyCounter: return "minibatch ready counter";
     case WaitSite::kTest: return "test flag";
     case WaitSite::kHiddenRowTile: return "GEMM 1 tiles of a hidden row tile (fused forward)";
-    case WaitSite::kBulkCopy: return "bulk-copy stage (TMA copy engine)";
     case WaitSite::kTokenArrivals: return "rows pushed into a token's combine slots (fused top-k sum)";
     case WaitSite::kRingSlot: return "macrobatch ring slot (the row tile that used it last, fused forward)";
   }

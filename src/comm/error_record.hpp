@@ -20,7 +20,7 @@ enum class WaitSite : int32_t {
   kReadyCounter = 5,   // a consumer waiting for a minibatch ready counter
   kTest = 6,           // tests that prove the timeout path
   kHiddenRowTile = 7,  // a GEMM 2 task waiting for every GEMM 1 column tile of its row tile
-  kBulkCopy = 8,       // a TMA bulk-copy stage of the opt-in bulk engines (roles_bulk.cuh)
+  // 8: a bulk-copy stage of the removed bulk copy engines (value kept free)
   kTokenArrivals = 9,  // the fused top-k sum waiting for the rows pushed into a token's slots
   kRingSlot = 10,      // macrobatch ring: a row tile waiting for the tile that last used its slot
 };

@@ -5,45 +5,24 @@
 
 #include "comm/barrier.cuh"
 #include "comm/cuda_check.hpp"
-#include "comm/roles_bulk.cuh"
+#include "comm/roles.cuh"
 
 namespace mok::comm {
 namespace {
 
 using Cta = CommCtaConfig;
 
-// One kernel per engine, so that each gets its own register allocation (the kWarp copy loop
-// keeps its 16 vectors per lane without spills). smem_bytes: dynamic shared memory of the bulk
-// engines (role_smem_bytes), 0 for kWarp.
-template <CopyEngine E, bool kDedup = false>
+// One kernel per dispatch mode, so that each copy loop gets the whole 128-register budget of a
+// 512-thread CTA (together they spill).
+template <bool kDedup>
 __global__ void __launch_bounds__(Cta::kThreads, 1)
-    dispatch_kernel(const DispatchRole role, const GroupBarrier start, uint32_t smem_bytes) {
-  extern __shared__ __align__(128) char smem[];
+    dispatch_kernel(const DispatchRole role, const GroupBarrier start) {
   if (!group_barrier(start, gridDim.x, role.peers, role.wait)) return;
-  if constexpr (E == CopyEngine::kWarp) {
-    dispatch_pull<kDedup>(role, blockIdx.x, gridDim.x);
-  } else {
-    dispatch_pull_bulk<E>(role, blockIdx.x, gridDim.x, smem, smem_bytes);
-  }
+  dispatch_pull<kDedup>(role, blockIdx.x, gridDim.x);
 }
 
-// Token-major dispatch (DispatchRole::token_major): its own kernel, for the same reason.
-__global__ void __launch_bounds__(Cta::kThreads, 1)
-    dispatch_land_kernel(const DispatchRole role, const GroupBarrier start) {
-  if (!group_barrier(start, gridDim.x, role.peers, role.wait)) return;
-  if (role.header->status != static_cast<int32_t>(Status::kOk)) return;
-  dispatch_land_warps<StandaloneWarps>(role, blockIdx.x, gridDim.x);
-}
-
-template <CopyEngine E>
-__global__ void __launch_bounds__(Cta::kThreads, 1)
-    combine_kernel(const CombineRole role, const GroupBarrier done, uint32_t smem_bytes) {
-  extern __shared__ __align__(128) char smem[];
-  if constexpr (E == CopyEngine::kWarp) {
-    combine_push(role, blockIdx.x, gridDim.x);
-  } else {
-    combine_push_bulk<E>(role, blockIdx.x, gridDim.x, smem, smem_bytes);
-  }
+__global__ void __launch_bounds__(Cta::kThreads, 1) combine_kernel(const CombineRole role, const GroupBarrier done) {
+  combine_push(role, blockIdx.x, gridDim.x);
   group_barrier(done, gridDim.x, role.peers, role.wait);
 }
 
@@ -78,76 +57,22 @@ void check_ctas(int ctas) {
   }
 }
 
-// Dynamic shared memory for a bulk engine: 0 for kWarp (or when the layout does not fit, which
-// makes the device role fall back to kWarp); sets the kernel's limit once per thread and device.
-template <class Kernel>
-uint32_t bulk_smem(CopyEngine engine, const BulkLayout& layout, Kernel kernel, int slot) {
-  const uint32_t bytes = role_smem_bytes(engine);
-  if (bytes == 0 || layout.bytes == 0) return 0;
-  if (layout.bytes > bulk_usable(bytes)) {
-    throw Error(Status::kInternal, "mok: bulk-copy shared-memory layout exceeds its budget");
-  }
-  thread_local int configured[4] = {-1, -1, -1, -1};
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  if (configured[slot] != device) {
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    configured[slot] = device;
-  }
-  return bytes;
-}
-
 }  // namespace
 
 void launch_dispatch(const DispatchLaunch& l, cudaStream_t stream) {
   check_ctas(l.ctas);
   if (l.counter_words > 0) MOK_CUDA_CHECK(cudaMemsetAsync(l.counters, 0, l.counter_words * sizeof(uint32_t), stream));
-  if (l.role.token_major) {
-    if (l.role.recv == nullptr || l.role.land_rows == nullptr || l.role.minibatch_rows <= 0) {
-      throw Error(Status::kInternal, "mok: token-major dispatch without its receive buffer or landing list");
-    }
-    dispatch_land_kernel<<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start);
-    MOK_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
-  const BulkLayout layout = dispatch_bulk_layout(l.role, bulk_usable(role_smem_bytes(l.role.engine)));
-  switch (l.role.engine) {
-    case CopyEngine::kHybrid: {
-      const uint32_t smem = bulk_smem(l.role.engine, layout, dispatch_kernel<CopyEngine::kHybrid>, 0);
-      dispatch_kernel<CopyEngine::kHybrid><<<l.ctas, Cta::kThreads, smem, stream>>>(l.role, l.start, smem);
-      break;
-    }
-    case CopyEngine::kBulk: {
-      const uint32_t smem = bulk_smem(l.role.engine, layout, dispatch_kernel<CopyEngine::kBulk>, 1);
-      dispatch_kernel<CopyEngine::kBulk><<<l.ctas, Cta::kThreads, smem, stream>>>(l.role, l.start, smem);
-      break;
-    }
-    default:
-      if (l.role.dedup) {
-        dispatch_kernel<CopyEngine::kWarp, true><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start, 0);
-      } else {
-        dispatch_kernel<CopyEngine::kWarp, false><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start, 0);
-      }
+  if (l.role.dedup) {
+    dispatch_kernel<true><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start);
+  } else {
+    dispatch_kernel<false><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.start);
   }
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_combine(const CombineLaunch& l, cudaStream_t stream) {
   check_ctas(l.ctas);
-  const BulkLayout layout = combine_bulk_layout(l.role, bulk_usable(role_smem_bytes(l.role.engine)));
-  switch (l.role.engine) {
-    case CopyEngine::kHybrid: {
-      const uint32_t smem = bulk_smem(l.role.engine, layout, combine_kernel<CopyEngine::kHybrid>, 2);
-      combine_kernel<CopyEngine::kHybrid><<<l.ctas, Cta::kThreads, smem, stream>>>(l.role, l.done, smem);
-      break;
-    }
-    case CopyEngine::kBulk: {
-      const uint32_t smem = bulk_smem(l.role.engine, layout, combine_kernel<CopyEngine::kBulk>, 3);
-      combine_kernel<CopyEngine::kBulk><<<l.ctas, Cta::kThreads, smem, stream>>>(l.role, l.done, smem);
-      break;
-    }
-    default: combine_kernel<CopyEngine::kWarp><<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.done, 0);
-  }
+  combine_kernel<<<l.ctas, Cta::kThreads, 0, stream>>>(l.role, l.done);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -2,9 +2,8 @@
 // (the standalone kernels in roles.cu, the fused megakernel through megakernel/fused_comm.cuh).
 // Work is split in row tiles of kRowTile rows, handed out round-robin in increasing order (CTA
 // c: tiles c, c+n, ...), so a wait on an earlier tile can never deadlock while the comm CTAs are
-// co-resident. The kWarp roles are templates over the CTA's warp count and copy shape
-// (WarpShape: dispatch_pull_warps, combine_push_warps) and can split the CTAs into a group for
-// the other ranks' rows (NVLink) and one for the own rows (role.remote_ctas, role_types.hpp).
+// co-resident. The roles are templates over the CTA's warp count and copy shape (WarpShape:
+// dispatch_pull_warps, combine_push_warps).
 //
 //   dispatch_pull      rows of this rank's expert-major buffer <- owners' x (NVLink loads),
 //                      padding rows zeroed, per-minibatch ready counters raised (release);
@@ -14,10 +13,9 @@
 //   topk_sum_epilogue  y[t] = bf16(fmaf chain over k of topk_w * slot (or the own expert_out
 //                      row), from the shared output or 0)
 //
-// Engines (CopyEngine, role_types.hpp): kWarp = 16-byte vectors through registers (WarpShape:
-// rows at once x vectors per row in flight per lane), each warp fetching its rows' entries in
-// one batched load, one CTA barrier per tile; kHybrid / kBulk add bulk async copies (TMA, cp.async.bulk) through shared-memory stages
-// (bulk_engine in roles_bulk.cuh) and count landed rows per tile instead of barriers. Same bytes everywhere.
+// Copies are 16-byte vectors through registers (WarpShape: rows at once x vectors per row in
+// flight per lane), each warp fetching its rows' entries in one batched load. (Bulk async
+// copies issued by one lane per CTA moved 13-22 GB/s per CTA and lost: docs/experiments.md.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -80,8 +78,8 @@ __device__ __forceinline__ void warp_zero(int4* dst, int64_t vecs, int lane) {
   for (int64_t i = lane; i < vecs; i += 32) store_vec(dst + i, make_int4(0, 0, 0, 0));
 }
 
-// ---- the warp engine (kWarp), generic over the CTA's warp count ----------------------------
-// Shape of a kWarp CTA: Warps warps; a warp copies RowsAtOnce rows at a time with VecsPerRow
+// ---- the warp copies, generic over the CTA's warp count -------------------------------------
+// Shape of a comm CTA: Warps warps; a warp copies RowsAtOnce rows at a time with VecsPerRow
 // 16-byte vectors of each per lane in flight. The standalone kernels use StandaloneWarps (16
 // warps, one row at a time, 16 vectors: 128 KiB in flight per CTA under the 128-register cap of
 // 512 threads); the fused kernel's 12-warp CTAs use 3 rows x 8 vectors (144 KiB: short rows such
@@ -137,34 +135,23 @@ __device__ __forceinline__ RowEntry shfl_entry(const RowEntry& mine, int j) {
                   __shfl_sync(0xffffffffu, mine.k, j), __shfl_sync(0xffffffffu, mine.copy_from, j)};
 }
 
-// Which rows of a tile a CTA group takes (the remote / own split, DispatchRole::remote_ctas).
-enum class RowSet : int {
-  kAll,     // every row
-  kRemote,  // rows of other ranks' tokens (NVLink)
-  kOwn,     // this rank's own rows and padding (local HBM)
-};
-__device__ __forceinline__ bool in_row_set(RowSet set, const RowEntry& e, int rank) {
-  const bool remote = e.src_rank >= 0 && e.src_rank != rank;
-  return set == RowSet::kAll || (set == RowSet::kRemote) == remote;
-}
 // Rows a dedup (fan-out) dispatch starts from: padding, and each token's first row on this rank.
 __device__ __forceinline__ bool is_fan_source(const RowEntry& e) { return e.src_rank < 0 || e.copy_from < 0; }
 
 // A warp's rows of one tile: lane j holds the warp's j-th row (entry, row within the tile),
 // `count` (warp-uniform) of them. The picked rows of the tile in increasing order go round-robin
-// to the warps (picked row p -> warp p mod Warps): with kAll that is row w, w + Warps, ...
+// to the warps (picked row p -> warp p mod Warps): with kAll (every row) that is row w, w + Warps, ...
 struct WarpRows {
   RowEntry e{-1, -1, -1, -1};
   int row = -1;
   int count = 0;
 };
 
-// kAll (every row; `set` is ignored): one batched load of the warp's rows, and with a warp
-// count that divides kRowTile a compile-time row count (the loops then compile as the original).
-// first_only (with !kAll): only the fan-out sources of the set (is_fan_source).
+// kAll: one batched load of the warp's rows, and with a warp count that divides kRowTile a
+// compile-time row count (the loops then compile as the original). !kAll: only the fan-out
+// sources (is_fan_source).
 template <class Shape, bool kAll>
-__device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, RowSet set, int rank, int warp, int lane,
-                                          bool first_only = false) {
+__device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, int warp, int lane) {
   constexpr int W = Shape::kWarps;
   WarpRows w;
   if constexpr (kAll) {
@@ -183,7 +170,7 @@ __device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, Ro
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     ent[q] = rows[tile * kRowTile + q * 32 + lane];
-    mask[q] = __ballot_sync(0xffffffffu, in_row_set(set, ent[q], rank) && (!first_only || is_fan_source(ent[q])));
+    mask[q] = __ballot_sync(0xffffffffu, is_fan_source(ent[q]));
     before[q + 1] = before[q] + __popc(mask[q]);
   }
   const int picked = before[4];
@@ -215,34 +202,10 @@ __device__ inline WarpRows warp_tile_rows(const RowEntry* rows, int64_t tile, Ro
   return w;
 }
 
-// The same with the set chosen at run time (one copy loop for every group: combine's loop
-// keeps its registers this way; unrolled per group it spills under the 128-register cap).
-template <class Shape>
-__device__ inline WarpRows warp_tile_rows_any(const RowEntry* rows, int64_t tile, RowSet set, int rank, int warp,
-                                              int lane) {
-  constexpr int W = Shape::kWarps;
-  if (set == RowSet::kAll) {
-    WarpRows w = warp_tile_rows<Shape, true>(rows, tile, set, rank, warp, lane);
-    w.count = (kRowTile - warp + W - 1) / W;  // NOTE: run-time count, as in the measured v3 run 1
-    return w;
-  }
-  return warp_tile_rows<Shape, false>(rows, tile, set, rank, warp, lane);
-}
-
-// The CTA group this CTA belongs to. remote_ctas (see DispatchRole) > 0 and nctas >= 2: CTAs
-// [0, R) take the rows of other ranks, [R, n) the own rows (and padding); each group walks every
-// tile in increasing order. Otherwise every CTA takes every row of tiles c, c + n, ...
+// The CTAs of a role: CTA c takes every row of tiles c, c + n, ...
 struct CtaGroup {
-  RowSet set = RowSet::kAll;
   int cta = 0, nctas = 1;
-  bool split = false;
 };
-__device__ inline CtaGroup cta_group(int requested, int ep, int cta, int nctas) {
-  const int r = resolve_remote_ctas(requested, ep, nctas);
-  if (r == 0) return CtaGroup{RowSet::kAll, cta, nctas, false};
-  if (cta < r) return CtaGroup{RowSet::kRemote, cta, r, true};
-  return CtaGroup{RowSet::kOwn, cta - r, nctas - r, true};
-}
 
 // ---- dispatch ------------------------------------------------------------------------------
 
@@ -288,16 +251,10 @@ __device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const 
   }
 }
 
-// Thread 0, after the CTA barrier that follows its rows of `tile`: the tile is complete once
-// every group that writes it is done (the split: two groups, counted in tile_done), then +1 on
-// its minibatch's ready counter.
-__device__ inline void publish_dispatch_tile(const DispatchRole& r, int64_t tile, bool split) {
+// Thread 0, after the CTA barrier that follows its rows of `tile`: +1 on its minibatch's ready
+// counter.
+__device__ inline void publish_dispatch_tile(const DispatchRole& r, int64_t tile) {
   __threadfence();  // NOTE: the CTA's row stores (ordered by bar.sync) before the counter
-  if (split) {
-    // NOTE: acq_rel: the second group's release of `ready` then covers the first group's rows.
-    if (fetch_add_acq_rel<Scope::kGpu>(r.tile_done + tile, 1u) != 1u) return;
-    __threadfence();
-  }
   fetch_add_release<Scope::kGpu>(r.ready + tile / r.tiles_per_minibatch, 1u);
 }
 
@@ -307,7 +264,7 @@ __device__ inline void dispatch_tile_range(const DispatchRole& r, const CtaGroup
                                            int64_t step) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t tile = first; tile < end; tile += step) {
-    const WarpRows mine = warp_tile_rows<Shape, kAll>(r.rows, tile, g.set, r.peers.rank, warp, lane);
+    const WarpRows mine = warp_tile_rows<Shape, kAll>(r.rows, tile, warp, lane);
     if (r.ring_tiles > 0 && tile >= r.ring_tiles) {
       // The slot's previous tile must be read by every GEMM 1 column block first (its TMA
       // loads completed before the counter's release). A timeout is recorded; the copy then
@@ -319,7 +276,7 @@ __device__ inline void dispatch_tile_range(const DispatchRole& r, const CtaGroup
     }
     dispatch_rows<Shape>(r, tile, mine, lane);
     __syncthreads();
-    if (threadIdx.x == 0) publish_dispatch_tile(r, tile, g.split);
+    if (threadIdx.x == 0) publish_dispatch_tile(r, tile);
   }
 }
 
@@ -332,7 +289,7 @@ __device__ inline void dispatch_tile_range(const DispatchRole& r, const CtaGroup
 template <class Shape, bool kAll>
 __device__ inline void dispatch_tiles(const DispatchRole& r, const CtaGroup& g) {
   const int64_t tiles = r.header->padded_rows / kRowTile;
-  const bool narrow = r.ring_tiles > 0 && r.ring_ctas > 0 && r.ring_ctas < g.nctas && !g.split;
+  const bool narrow = r.ring_tiles > 0 && r.ring_ctas > 0 && r.ring_ctas < g.nctas;
   if (!narrow) return dispatch_tile_range<Shape, kAll>(r, g, g.cta, tiles, g.nctas);
   dispatch_tile_range<Shape, kAll>(r, g, g.cta, min(tiles, r.ring_tiles), g.nctas);
   const int first_ring_cta = g.nctas - r.ring_ctas;
@@ -429,16 +386,16 @@ __device__ inline void count_dispatched_rows(const DispatchRole& r, const FanRow
 // Tiles in increasing order: a token's first row sits in its lowest local expert, so every row
 // of minibatch m is written by a source in a tile of m or earlier and the minibatches still
 // complete in order. No CTA barrier: each warp publishes its own rows once per tile.
-// Tiles first, first + step, ... below end of the rows in `set`, by the Shape::kWarps warps of
+// Tiles first, first + step, ... below end, by the Shape::kWarps warps of
 // a group (this one is `warp`); each tile is done by one group, whoever it is (the fused forward
 // lets its GEMM CTAs take a share of the first tiles: dispatch_fanout_shared_start).
 template <class Shape>
-__device__ inline void dispatch_fanout_range(const DispatchRole& r, RowSet set, int64_t first, int64_t end, int64_t step,
+__device__ inline void dispatch_fanout_range(const DispatchRole& r, int64_t first, int64_t end, int64_t step,
                                              int warp) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
   const int lane = threadIdx.x % 32;
   for (int64_t tile = first; tile < end; tile += step) {
-    const WarpRows mine = warp_tile_rows<Shape, false>(r.rows, tile, set, r.peers.rank, warp, lane, true);
+    const WarpRows mine = warp_tile_rows<Shape, false>(r.rows, tile, warp, lane);
     for (int j0 = 0; j0 < Shape::kRowsPerWarp; j0 += R) {
       if (j0 >= mine.count) break;  // warp-uniform
       FanRow job[R];
@@ -463,65 +420,19 @@ __device__ inline void dispatch_fanout_range(const DispatchRole& r, RowSet set, 
 
 template <class Shape>
 __device__ inline void dispatch_fanout_tiles(const DispatchRole& r, const CtaGroup& g) {
-  dispatch_fanout_range<Shape>(r, g.set, g.cta, r.header->padded_rows / kRowTile, g.nctas, threadIdx.x / 32);
+  dispatch_fanout_range<Shape>(r, g.cta, r.header->padded_rows / kRowTile, g.nctas, threadIdx.x / 32);
 }
 
-// ---- token-major dispatch: one row per (token, other rank), nothing fanned out -------------
-
-// Comm warp w of all (cta * Warps + warp) takes chunks w, w + warps, ... of R consecutive
-// landing-list entries, so the list (sorted by row, hence by minibatch) lands roughly in order
-// and early minibatches are ready first. Each warp counts its landed entries per minibatch.
-template <class Shape>
-__device__ inline void dispatch_land_warps(const DispatchRole& r, int cta, int nctas) {
-  constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t count = *r.land_count;  // 0 when the schedule is poisoned
-  const int64_t vecs = r.row_bytes / 16;
-  const int64_t warps = static_cast<int64_t>(nctas) * Shape::kWarps;
-  for (int64_t c = static_cast<int64_t>(cta) * Shape::kWarps + warp; c * R < count; c += warps) {
-    RowCopy job[R];
-    int64_t mb[R];
-#pragma unroll
-    for (int q = 0; q < R; ++q) {
-      mb[q] = -1;
-      const int64_t i = c * R + q;
-      if (i < count) {  // warp-uniform
-        const int32_t row = __ldg(r.land_rows + i);
-        const RowEntry e = r.rows[row];
-        job[q].src = reinterpret_cast<const int4*>(dispatch_source(r, e.src_rank, e.token));
-        job[q].dst = reinterpret_cast<int4*>(r.recv + recv_row(e.src_rank, e.token, r.tokens) * r.row_bytes);
-        mb[q] = row / r.minibatch_rows;
-      }
-    }
-    warp_copy_rows<R, V>(job, vecs, lane, StableLoad{});
-    __syncwarp();
-    __threadfence();  // NOTE: every lane's row stores (ordered by the bar.warp.sync) before the counts
-    if (lane == 0) {
-#pragma unroll
-      for (int q = 0; q < R; ++q) {
-        if (mb[q] < 0) continue;
-        uint32_t n = 1;
-        while (q + 1 < R && mb[q + 1] == mb[q]) ++n, ++q;  // one release per minibatch run
-        fetch_add_release<Scope::kGpu>(r.ready + mb[q], n);
-      }
-    }
-  }
-}
-
-// Plain (dedup off): every row is pulled from its source; optional remote / own CTA split.
-// Dedup: fan-out from each token's first row (remote / own split allowed as well). Both give
-// identical bytes and identical ready counters. Token-major: dispatch_land_warps.
+// Plain (dedup off, the macrobatch ring's): every row is pulled from its source. Dedup:
+// fan-out from each token's first row. Both give identical bytes and identical ready counters.
 template <class Shape>
 __device__ inline void dispatch_pull_warps(const DispatchRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
-  if (r.token_major) return dispatch_land_warps<Shape>(r, cta, nctas);
-  const CtaGroup g = cta_group(r.remote_ctas, r.peers.ep, cta, nctas);
+  const CtaGroup g{cta, nctas};
   if (r.dedup) {
     dispatch_fanout_tiles<Shape>(r, g);
-  } else if (g.set == RowSet::kAll) {
-    dispatch_tiles<Shape, true>(r, g);
   } else {
-    dispatch_tiles<Shape, false>(r, g);
+    dispatch_tiles<Shape, true>(r, g);
   }
 }
 
@@ -530,13 +441,11 @@ __device__ inline void dispatch_pull_warps(const DispatchRole& r, int cta, int n
 template <bool kDedup>
 __device__ inline void dispatch_pull(const DispatchRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
-  const CtaGroup g = cta_group(r.remote_ctas, r.peers.ep, cta, nctas);
+  const CtaGroup g{cta, nctas};
   if constexpr (kDedup) {
     dispatch_fanout_tiles<StandaloneWarps>(r, g);
-  } else if (g.set == RowSet::kAll) {
-    dispatch_tiles<StandaloneWarps, true>(r, g);
   } else {
-    dispatch_tiles<StandaloneWarps, false>(r, g);
+    dispatch_tiles<StandaloneWarps, true>(r, g);
   }
 }
 
@@ -545,18 +454,6 @@ __device__ inline bool wait_minibatch_ready(const uint32_t* ready, const Schedul
                                             const WaitContext& ctx) {
   const uint32_t tiles = static_cast<uint32_t>((v.mb_end[m] - v.mb_begin[m]) / kRowTile);
   return wait_geq<Scope::kGpu>(ready + m, tiles, WaitSite::kReadyCounter, ctx);
-}
-
-// The same after a token-major dispatch: a row of minibatch m has its token landed by the
-// entry of its first row, which lies in minibatch m or an earlier one, so every minibatch up
-// to m must be complete.
-__device__ inline bool wait_minibatch_landed(const uint32_t* ready, const ScheduleView& v, int64_t m,
-                                             const WaitContext& ctx) {
-  for (int64_t j = 0; j <= m; ++j) {
-    const uint32_t target = static_cast<uint32_t>(__ldg(v.mb_land + j));
-    if (!wait_geq<Scope::kGpu>(ready + j, target, WaitSite::kReadyCounter, ctx)) return false;
-  }
-  return true;
 }
 
 // ---- combine -------------------------------------------------------------------------------
@@ -574,15 +471,14 @@ __device__ __forceinline__ void count_arrival(uint32_t* word) {
   if (word != nullptr) fetch_add_release<Scope::kSystem>(word, 1u);
 }
 
-// This CTA's tiles of its group. Unlike dispatch, one loop with a run-time row count serves
-// every group and shape (measured as fast as the original: v3 run 1).
+// Every real row of this CTA's tiles (tiles cta, cta + n, ...): the combine of every (t, k) row.
 template <class Shape>
-__device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
+__device__ inline void combine_tiles(const CombineRole& r, int cta, int nctas) {
   constexpr int R = Shape::kRowsAtOnce, V = Shape::kVecsPerRow;
   const int64_t tiles = r.header->padded_rows / kRowTile;
   const int64_t vecs = r.row_bytes / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t tile = g.cta; tile < tiles; tile += g.nctas) {
+  for (int64_t tile = cta; tile < tiles; tile += nctas) {
     if (r.out_ready != nullptr) {
       int ok = 1;
       if (threadIdx.x == 0) {
@@ -592,7 +488,8 @@ __device__ inline void combine_tiles(const CombineRole& r, const CtaGroup& g) {
       // tile's loads before the next wait).
       if (!__syncthreads_and(ok)) return;
     }
-    const WarpRows mine = warp_tile_rows_any<Shape>(r.rows, tile, g.set, r.peers.rank, warp, lane);
+    WarpRows mine = warp_tile_rows<Shape, true>(r.rows, tile, warp, lane);
+    mine.count = (kRowTile - warp + Shape::kWarps - 1) / Shape::kWarps;  // NOTE: a run-time count keeps the registers
     for (int j0 = 0; j0 < mine.count; j0 += R) {
       RowCopy job[R];
       uint32_t* arrive = nullptr;  // lane q < R: the arrivals word of job q (count_arrivals)
@@ -662,15 +559,10 @@ template <class Shape>
 __device__ inline void combine_push_warps(const CombineRole& r, int cta, int nctas) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
   if (r.own_rows_in_place) {
-    if (r.peers.ep < 2) return;
-    if (r.remote_rows != nullptr) {
-      combine_remote_list<Shape>(r, cta, nctas);
-    } else {
-      combine_tiles<Shape>(r, CtaGroup{RowSet::kRemote, cta, nctas, false});
-    }
+    if (r.peers.ep > 1) combine_remote_list<Shape>(r, cta, nctas);
     return;
   }
-  combine_tiles<Shape>(r, cta_group(r.remote_ctas, r.peers.ep, cta, nctas));
+  combine_tiles<Shape>(r, cta, nctas);
 }
 
 __device__ inline void combine_push(const CombineRole& r, int cta, int nctas) {

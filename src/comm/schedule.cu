@@ -66,7 +66,7 @@ struct KeyParams {
   int ep;
   DeviceErrorRecord* error;
   int64_t tokens;      // T per rank
-  int32_t* token_key;  // [T] step 9
+  int32_t* token_key;  // [T] step 8
 };
 
 __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind kind, int32_t value) {
@@ -321,37 +321,6 @@ struct IsRemoteRow {
   }
 };
 
-// ---- 8. landing list -----------------------------------------------------------------------
-// A token's first row on this rank (copy_from < 0) of another rank: the one row per (token,
-// source rank) whose bytes cross NVLink in the token-major dispatch.
-struct IsLandRow {
-  const RowEntry* rows;
-  int rank;
-  __device__ bool operator()(int32_t i) const {
-    const RowEntry e = rows[i];
-    return e.src_rank >= 0 && e.src_rank != rank && e.copy_from < 0;
-  }
-};
-
-__device__ int32_t lower_bound_rows(const int32_t* list, int32_t n, int64_t row) {
-  int32_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) / 2;
-    if (list[mid] < row) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
-// mb_land[m] = entries of the (sorted) landing list with row in [m * minibatch, (m+1) * minibatch).
-__global__ void __launch_bounds__(kThreads) land_count_kernel(const int32_t* land, const int32_t* count,
-                                                              int64_t minibatch, int64_t max_minibatches,
-                                                              int32_t* mb_land) {
-  const int64_t m = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (m >= max_minibatches) return;
-  const int32_t n = *count;
-  mb_land[m] = lower_bound_rows(land, n, (m + 1) * minibatch) - lower_bound_rows(land, n, m * minibatch);
-}
-
 unsigned grid_for(int64_t n, int threads) { return static_cast<unsigned>(std::max<int64_t>(ceil_div(n, threads), 1)); }
 
 }  // namespace
@@ -366,9 +335,6 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
       minibatch_ranges(3 * ceil_div(config.buffer_rows_per_rank(shape), config.effective_minibatch(shape))),
       remote_rows(config.buffer_rows_per_rank(shape)),
       remote_count(1),
-      land_rows(config.buffer_rows_per_rank(shape)),
-      land_count(1),
-      mb_land(ceil_div(config.buffer_rows_per_rank(shape), config.effective_minibatch(shape))),
       token_key(shape.tokens),
       token_ids(shape.tokens),
       token_order(shape.tokens),
@@ -394,10 +360,7 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
   size_t select_bytes = 0;
   MOK_CUDA_CHECK(cub::DeviceSelect::If(nullptr, select_bytes, thrust::counting_iterator<int32_t>(0), remote_rows.get(),
                                        remote_count.get(), buffer_rows, IsRemoteRow{rows.get(), 0}));
-  size_t land_bytes = 0;
-  MOK_CUDA_CHECK(cub::DeviceSelect::If(nullptr, land_bytes, thrust::counting_iterator<int32_t>(0), land_rows.get(),
-                                       land_count.get(), buffer_rows, IsLandRow{rows.get(), 0}));
-  sort_temp = DeviceBuffer<unsigned char>(std::max({temp_bytes, select_bytes, land_bytes}));
+  sort_temp = DeviceBuffer<unsigned char>(std::max(temp_bytes, select_bytes));
   // The token-order sort's values never change (0..T-1): written once here, not per schedule.
   std::vector<int32_t> ids(static_cast<size_t>(shape.tokens));
   std::iota(ids.begin(), ids.end(), 0);
@@ -416,9 +379,6 @@ ScheduleView ScheduleBuffers::view() const {
   v.mb_real_rows = minibatch_ranges.get() + 2 * max_minibatches;
   v.remote_rows = remote_rows.get();
   v.remote_count = remote_count.get();
-  v.land_rows = land_rows.get();
-  v.land_count = land_count.get();
-  v.mb_land = mb_land.get();
   v.token_key = token_key.get();
   v.token_order = token_order.get();
   v.buffer_rows = buffer_rows;
@@ -471,15 +431,7 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
                                        b.remote_rows.get(), b.remote_count.get(), b.buffer_rows,
                                        IsRemoteRow{b.rows.get(), rank}, stream));
 
-  select_bytes = b.sort_temp.size();
-  MOK_CUDA_CHECK(cub::DeviceSelect::If(b.sort_temp.get(), select_bytes, thrust::counting_iterator<int32_t>(0),
-                                       b.land_rows.get(), b.land_count.get(), b.buffer_rows,
-                                       IsLandRow{b.rows.get(), rank}, stream));
-  land_count_kernel<<<grid_for(b.max_minibatches, kThreads), kThreads, 0, stream>>>(
-      b.land_rows.get(), b.land_count.get(), b.minibatch, b.max_minibatches, b.mb_land.get());
-  MOK_CUDA_CHECK(cudaGetLastError());
-
-  // 9. token order (keys_in is free once step 3 sorted it): stable, so ties keep token order.
+  // 8. token order (keys_in is free once step 3 sorted it): stable, so ties keep token order.
   size_t order_bytes = b.sort_temp.size();
   MOK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(b.sort_temp.get(), order_bytes,
                                                  reinterpret_cast<const uint32_t*>(b.token_key.get()), b.keys_in.get(),

@@ -16,11 +16,7 @@
 //      dedup dispatch reads once and fans out to the token's other rows;
 //   7. remote rows: the buffer rows of other ranks' tokens in increasing order (CUB select), the
 //      work list of the in-place combine (an even split over all comm warps);
-//   8. landing list: the first row on this rank of each other rank's token (CUB select), i.e. one
-//      entry per (token, source rank) that crosses NVLink, in increasing row order, and how many
-//      of them each minibatch holds: the work list and ready targets of the token-major dispatch
-//      (DispatchRole::token_major), after which GEMM 1 gathers its rows;
-//   9. token order: each of this rank's tokens is keyed (in step 2's kernel) by the largest
+//   8. token order: each of this rank's tokens is keyed (in step 2's kernel) by the largest
 //      local expert index (id mod E_local) among its K experts, then a stable CUB radix sort
 //      orders the tokens by key. Every rank walks its local experts in order (minibatches are
 //      expert-major), so a token's last row is ready about when that expert's rows are: the
@@ -72,10 +68,7 @@ struct ScheduleView {
   const int64_t* mb_real_rows = nullptr;   // real rows inside minibatch m
   const int32_t* remote_rows = nullptr;    // [buffer_rows] rows of other ranks' tokens, increasing
   const int32_t* remote_count = nullptr;   // [1] how many (0 when poisoned)
-  const int32_t* land_rows = nullptr;      // [buffer_rows] first row of each other rank's token, increasing
-  const int32_t* land_count = nullptr;     // [1] how many (0 when poisoned)
-  const int32_t* mb_land = nullptr;        // [max_minibatches] landing-list entries inside minibatch m
-  const int32_t* token_key = nullptr;      // [T] largest local expert index of this rank's token t (step 9)
+  const int32_t* token_key = nullptr;      // [T] largest local expert index of this rank's token t (step 8)
   const int32_t* token_order = nullptr;    // [T] this rank's tokens by increasing key (stable)
   int64_t buffer_rows = 0;
   int64_t minibatch = 0;                   // rows per minibatch (a multiple of kRowTile)
@@ -94,7 +87,6 @@ class ScheduleBuffers {
   DeviceBuffer<int32_t> dest_row;
   DeviceBuffer<int64_t> minibatch_ranges;  // [3][max_minibatches]: begin, end, real rows
   DeviceBuffer<int32_t> remote_rows, remote_count;
-  DeviceBuffer<int32_t> land_rows, land_count, mb_land;
   DeviceBuffer<int32_t> token_key, token_ids, token_order;
   int token_key_bits = 1;
   DeviceBuffer<uint32_t> keys_in, keys_out, vals_in, vals_out;

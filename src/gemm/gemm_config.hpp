@@ -16,13 +16,14 @@ inline constexpr int kSwizzleBytes = 128;        // TMA SWIZZLE_128B == GMMA Lay
 inline constexpr int kBoxInner = kSwizzleBytes / 2;  // 64 bf16: widest TMA box row under SW128
 // Tile raster (tile_scheduler.cuh): groups of kGroupM row tiles, row tiles fastest inside a
 // group, so the CTAs running at the same time share B (weight) tiles and a few A row tiles.
+// 8 global row tiles: 4 and 8 measured equal, 2/16/64 slower, expert-aligned no faster (docs/gemm.md).
 inline constexpr int kGroupM = 8;
 
 // Epilogue staging buffers per consumer warpgroup. 1: a store round waits until the TMA store
 // of the previous round has read the buffer (4 pipeline stages fit); 2: rounds alternate two
 // buffers and wait only for the round before the previous one (the pipeline then has 3 stages:
-// 3 x 48 + 2 x 2 x 16 KiB). Build-time choice (-DMOK_GEMM_EPI_BUFFERS=2) for the A/B
-// measurement in docs/gemm.md.
+// 3 x 48 + 2 x 2 x 16 KiB). Build-time choice (-DMOK_GEMM_EPI_BUFFERS=2) for A/B builds.
+// 1: two buffers cost the stage more than the waits on random segments (GEMM 1 -1.8 %, docs/gemm.md).
 #ifndef MOK_GEMM_EPI_BUFFERS
 #define MOK_GEMM_EPI_BUFFERS 1
 #endif
@@ -32,22 +33,26 @@ inline constexpr int kPipeStages = kEpiBuffers == 2 ? 3 : 4;  // the kinds' Tile
 
 // Deferred epilogues (standalone cluster-1 kernels): consumer warpgroup 1 stores its pieces
 // this many wgmma batches after warpgroup 0, so the two do not pause their wgmma issue at the
-// same time (measured +0.5-2 % in steady state, docs/gemm.md). Knob: MOK_GEMM_DEFER_STAGGER.
+// same time.
+// 2: +0.5-2 % against 0 in steady state (docs/gemm.md, 2026-11-30, b52dcab).
 inline constexpr int kDeferWg1Shift = 2;
+
+// dh + SwiGLU backward: the producer prefetches the tile's g, u into L2 when it loads K step
+// k_steps - kDhPrefetchAhead (0 = off), about six K steps (the ring depth plus two) before the
+// epilogue reads them: long enough for HBM latency, short enough that the K loop's streaming
+// does not evict the lines.
+// 2: the epilogue's g, u loads hit L2, dh + SwiGLU +2-4 % (docs/gemm.md, 2026-11-30, bfee4e2).
+inline constexpr int kDhPrefetchAhead = 2;
 
 // One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
 // bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
 // each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.
 // Clusters of kClusterM CTAs work on vertically adjacent tiles that share their B tile: each
 // CTA loads 1/kClusterM of it and multicasts it to the cluster (halves the L2->SM traffic of B).
-//
-// PingPong: the two consumer warpgroups take alternate tiles of the CTA, each a whole 128 x kBN
-// tile (two 64-row wgmma atoms per K step), so one warpgroup's epilogue runs while the other's
-// K loop keeps the tensor cores busy. Cluster 1 only; a stage is released by one warpgroup.
-template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM, bool PingPong = false>
+// wgrad too runs these cooperative 128 x 256 tiles: ping-pong consumers with 128 x 128 tiles
+// measured 0.93x (docs/gemm.md, 2026-11-30; the kind is at 0b38498).
+template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM>
 struct TileConfig {
-  static constexpr bool kPingPong = PingPong;
-  static_assert(!PingPong || ClusterM == 1, "ping-pong consumers without clusters");
   static constexpr int kBM = 128;
   static constexpr int kBN = BN;
   static constexpr int kBK = 64;

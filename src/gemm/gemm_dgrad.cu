@@ -1,6 +1,5 @@
 // dgrad launchers: GEMM 2 dgrad with the SwiGLU backward fused, and GEMM 1 dgrad (sm_90a).
 #include <algorithm>
-#include <cstdlib>
 
 #include "gemm/grouped_gemm.hpp"
 #include "gemm/sm90_kinds_rows.cuh"
@@ -30,12 +29,9 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   p.sched = host::row_scheduler(a.seg, I, 256, kGroupM);
   p.k_steps = static_cast<int>(H / 64);
   p.inter = static_cast<int>(I);
-  // The L2 prefetch of g, u goes out when the producer loads K step k_steps - 2, about six
-  // K steps (the ring depth plus two) before the consumers reach the epilogue: long enough
-  // for HBM latency, short enough that the K loop's streaming does not evict the lines.
-  // Developer knob (A/B): MOK_GEMM_DH_PREFETCH=<steps before the end>, 0 = off.
-  const int ahead = host::dh_prefetch_ahead();
-  p.prefetch_at = ahead > 0 ? std::max(p.k_steps - ahead, 0) : -1;
+  // The L2 prefetch of g, u goes out when the producer loads K step k_steps - kDhPrefetchAhead
+  // (gemm_config.hpp).
+  p.prefetch_at = kDhPrefetchAhead > 0 ? std::max(p.k_steps - kDhPrefetchAhead, 0) : -1;
   host::launch_row_kind<DgradHiddenKind>(p, launch, stream);
 }
 

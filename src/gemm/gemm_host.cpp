@@ -3,7 +3,6 @@
 #include <cudaTypedefs.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "mok/error.hpp"
@@ -111,18 +110,5 @@ int env_int(const char* name, int fallback, int lo, int hi, const char* what) {
   }
   return static_cast<int>(x);
 }
-
-int defer_wg1_shift() { return env_int("MOK_GEMM_DEFER_STAGGER", kDeferWg1Shift, 0, 64, "a batch count"); }
-
-int dh_prefetch_ahead() { return env_int("MOK_GEMM_DH_PREFETCH", 2, 0, 1 << 20, "K steps before the end (0 = off)"); }
-
-int group_m_override(int group_m) { return env_int("MOK_GEMM_GROUP_M", group_m, 1, 1 << 20, "a raster group of row tiles"); }
-
-bool env_is(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, value) == 0;
-}
-
-bool expert_raster_groups() { return env_is("MOK_GEMM_RASTER", "expert"); }
 
 }  // namespace mok::gemm::host

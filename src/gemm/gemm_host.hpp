@@ -36,27 +36,10 @@ inline unsigned long long*& trace_buffer() {
 
 int resolve_grid(const Launch& launch);  // launch.grid or the SM count of the current device
 uint64_t timeout_ns(const Launch& launch);
-// Whether environment variable `name` is set to exactly `value` (the developer on/off knobs).
-bool env_is(const char* name, const char* value);
-// Developer knob (A/B measurement), read by the standalone row GEMMs: MOK_GEMM_RASTER=expert
-// keeps raster groups inside one expert. Measured no faster on routed segments, 7 % slower on
-// GEMM 2 with uniform ones and 5-6 % slower on qwen3's GEMM 1 (docs/gemm.md), so groups of
-// global row tiles stay the standalone default. (The fused forward's task list has its own
-// option, FusedForwardOptions::expert_raster, aligned by default: docs/megakernel.md.)
-bool expert_raster_groups();
-// Params::defer_wg1_shift of the deferred epilogues: kDeferWg1Shift (gemm_config.hpp), or the
-// developer knob MOK_GEMM_DEFER_STAGGER=<batches in [0, 64]> (anything else throws
-// kInvalidArgument naming the knob).
-int defer_wg1_shift();
-// Integer developer knobs: `fallback` when `name` is unset, else its value, which must be a
-// whole decimal number in [lo, hi] (anything else throws kInvalidArgument naming the knob and
-// "<what> in [lo, hi]").
+// For the layers above (the GEMM engine itself reads no environment variable): `fallback` when
+// environment variable `name` is unset, else its value, which must be a whole decimal number in
+// [lo, hi] (anything else throws kInvalidArgument naming the variable and "<what> in [lo, hi]").
 int env_int(const char* name, int fallback, int lo, int hi, const char* what);
-// MOK_GEMM_DH_PREFETCH: K steps before the end at which dh's producer prefetches g, u into L2
-// (default 2, 0 = off; docs/gemm.md).
-int dh_prefetch_ahead();
-// MOK_GEMM_GROUP_M: the raster group of row tiles (measurement only), else `group_m`.
-int group_m_override(int group_m);
 void check_cuda(cudaError_t err, const char* what);  // throws Error(kCudaError)
 
 }  // namespace mok::gemm::host

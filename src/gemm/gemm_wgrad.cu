@@ -1,7 +1,5 @@
 // wgrad launcher: K-grouped weight gradients over each expert's rows (sm_90a).
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "gemm/grouped_gemm.hpp"
@@ -34,11 +32,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   static_assert(int(WgradOut::kPartialFp32) == kWgradPartialFp32 && int(WgradOut::kWriteBf16) == kWgradWriteBf16 &&
                 int(WgradOut::kAccumulateFp32) == kWgradAccumulateFp32);
   const int64_t R = a.seg.buffer_rows, E = a.seg.experts;
-  // Developer knob (A/B measurement, docs/gemm.md): MOK_GEMM_WGRAD_PINGPONG=1 runs bf16 output
-  // on ping-pong consumers with 128 x 128 tiles (WgradPingPongKind); by default, and for the fp32
-  // modes always, the cooperative 128 x 256 kernel runs.
-  const bool pingpong = a.mode == WgradOut::kWriteBf16 && host::env_is("MOK_GEMM_WGRAD_PINGPONG", "1");
-  const int tile_n = pingpong ? WgradPingPongKind<false>::kTileN : 256;
+  constexpr int tile_n = WgradKind<kWgradWriteBf16, 1>::Cfg::kBN;  // cooperative 128 x 256 tiles
   WgradParams p{};
   p.sched.offsets = a.seg.offsets;
   p.sched.rows = a.seg.rows;
@@ -72,27 +66,17 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   }
   if (tiles >= (int64_t{1} << 31)) throw_invalid("wgrad problem", "fewer than 2^31 tiles", std::to_string(tiles));
   p.err = host::error_sink(launch);
-  // Developer knob (A/B of the deferred epilogue's placement): MOK_GEMM_WGRAD_DEFER=r0,next,r1.
-  if (const char* d = std::getenv("MOK_GEMM_WGRAD_DEFER")) {
-    if (std::sscanf(d, "%d,%d,%d", &p.defer_round0, &p.defer_next, &p.defer_round1) != 3) {
-      throw_invalid("MOK_GEMM_WGRAD_DEFER", "three batch indices \"r0,next,r1\"", d);
-    }
-  }
-  p.defer_wg1_shift = host::defer_wg1_shift();
   Launch l = launch;
   // The host knows the tile count: no more CTAs than tiles.
   l.grid = static_cast<int>(std::min<int64_t>(host::resolve_grid(launch), tiles));
   // wgrad runs without clusters (launch.cluster is ignored): its 2-CTA variant spilled
   // registers (docs/gemm.md) and its K loops are short, so B multicast has little to save.
   p.sched.cluster = 1;
-  // Developer knob (A/B measurement): MOK_GEMM_WGRAD_SEEDED=1 runs the seeding kernel even
-  // when no problem has a partial (the only kernel before 2026-11-30; same bits).
-  bool seeded = host::env_is("MOK_GEMM_WGRAD_SEEDED", "1");
+  // The seeding kernel only when some problem continues an fp32 partial (without one the
+  // plain-zeros seed measured +18 % on bf16 wgrad, docs/gemm.md 2026-11-30; same bits).
+  bool seeded = false;
   for (int q = 0; q < a.num_problems; ++q) seeded = seeded || a.problems[q].partial_in != nullptr;
-  if (pingpong) {
-    if (seeded) host::launch_kind<WgradPingPongKind<true>>(p, l, stream);
-    else host::launch_kind<WgradPingPongKind<false>>(p, l, stream);
-  } else if (seeded) {
+  if (seeded) {
     launch_mode<true>(a.mode, p, l, stream);
   } else {
     launch_mode<false>(a.mode, p, l, stream);

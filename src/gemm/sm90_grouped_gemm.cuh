@@ -127,7 +127,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
         (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
       }(std::make_integer_sequence<int, kPieces - 1>{});
     };
-    ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, false, mark_tile, during_k_loop);
+    ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, mark_tile, during_k_loop);
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if constexpr (kDeferred) {
@@ -153,68 +153,6 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
     MOK_GEMM_CTA_MARK(p.err, 4, clock64());
     MOK_GEMM_CTA_MARK(p.err, 5, local_tiles);
   }
-}
-
-// Ping-pong consumers (Cfg::kPingPong): warpgroup w takes the CTA's tiles 0+w, 2+w, ... (by
-// the CTA's own tile count), each a whole 128 x BN tile with a 128 x BN accumulator, and
-// skips the ring positions of the other warpgroup's tiles. The producer is unchanged (it
-// loads every tile of the CTA in order); a stage is released by the warpgroup that read it.
-// The K loops run in tile order (a named-barrier handshake: a warpgroup starts tile j's K loop
-// after the other finished tile j-1's), so one warpgroup's epilogue overlaps the other's K
-// loop, and a warpgroup never waits on a ring position whose previous use is still unfilled
-// (an mbarrier parity wait two phases ahead would pass at once on the old phase).
-__device__ inline void pingpong_wait_turn(int wg) {
-  named_barrier_sync(static_cast<uint32_t>(wg == 0 ? NamedBarrier::kOrderAfterWG1 : NamedBarrier::kOrderAfterWG0),
-                     2 * kWarpGroupThreads);
-}
-__device__ inline void pingpong_pass_turn(int wg) {
-  named_barrier_arrive(static_cast<uint32_t>(wg == 0 ? NamedBarrier::kOrderAfterWG0 : NamedBarrier::kOrderAfterWG1),
-                       2 * kWarpGroupThreads);
-}
-template <class Kind, class Cfg, class Scheduler>
-__device__ void consumer_pingpong(const typename Kind::Params& p, SharedStorage<Cfg>& ss, const Scheduler& sched,
-                                  uint32_t seg, int cta, int ctas) {
-  const int ctid = threadIdx.x - kWarpGroupThreads;
-  // NOTE: warp-uniform for ptxas (a threadIdx-derived branch around wgmma serialises it).
-  const int wg = __shfl_sync(0xffffffffu, ctid / kWarpGroupThreads, 0);
-  auto mma = make_consumer_mma<Cfg, 1>();
-  auto thr = mma.get_thread_slice(ctid % kWarpGroupThreads);
-  auto tCrA = thr.make_fragment_A(thr.partition_A(smem_a(ss)));
-  auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
-  auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
-  static_assert(decltype(cute::size(acc))::value == Cfg::kBM * Cfg::kBN / kWarpGroupThreads, "128xBN per warpgroup");
-
-  const EpiCtx ctx = make_epi_ctx(ss, wg, ctid % kWarpGroupThreads);
-
-  PipeState<Cfg::kStages> st;
-  const int tiles = sched.num_tiles();
-  int local = 0, t = cta;
-  // Every pass_turn has a matching wait_turn: a turn is passed only when the CTA has a next tile.
-  for (; t < tiles; t += ctas, ++local) {
-    const auto tile = Kind::tile(p, sched, t, 0, seg);
-    const int k_steps = Kind::k_steps(p, tile);
-    if ((local & 1) != wg) {
-      skip_stages(st, k_steps);
-      continue;
-    }
-    Kind::seed(p, tile, ctx, acc);
-    if (local > 0) pingpong_wait_turn(wg);
-    const bool ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid);
-    if (t + ctas < tiles) pingpong_pass_turn(wg);
-    if (!ok) {
-      t += ctas, ++local;
-      break;
-    }
-    Kind::epilogue(p, tile, ctx, acc);
-  }
-  // After a timed-out wait: keep the turn handshake for this warpgroup's remaining tiles (no
-  // ring waits), so the other warpgroup never blocks on a named barrier.
-  for (; t < tiles; t += ctas, ++local) {
-    if ((local & 1) != wg) continue;
-    if (local > 0) pingpong_wait_turn(wg);
-    if (t + ctas < tiles) pingpong_pass_turn(wg);
-  }
-  if (ctx.tid == 0) tma_store_wait_all_complete();
 }
 
 template <class Kind>
@@ -252,11 +190,7 @@ __global__ void __launch_bounds__(Kind::Cfg::kThreads, 1)
     if constexpr (C > 1) cute::cluster_sync();
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    if constexpr (Cfg::kPingPong) {
-      consumer_pingpong<Kind>(p, *ss, sched, seg, cluster_id, clusters);
-    } else {
-      consumer_warpgroup<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
-    }
+    consumer_warpgroup<Kind>(p, *ss, sched, seg, cluster_id, clusters, rank);
     if constexpr (C > 1) cute::cluster_sync();
   }
 #endif

@@ -77,7 +77,7 @@ struct Gemm1SwigluParams {
   // Deferred epilogue placement (the cluster-1 kernel): the g, u and h rounds and the next
   // tile's coordinates after these batches.
   int defer_round0 = 1, defer_next = 3, defer_round1 = 5, defer_round2 = 7;
-  int defer_wg1_shift = kDeferWg1Shift;  // warpgroup 1's pieces this many batches later (host::defer_wg1_shift)
+  int defer_wg1_shift = kDeferWg1Shift;  // warpgroup 1's pieces this many batches later
 };
 
 template <int C>

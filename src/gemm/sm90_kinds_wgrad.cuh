@@ -188,67 +188,6 @@ struct WgradKind {
         "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p st.global.v2.f32 [%0], {%2, %3};\n}\n"
         ::"l"(ptr), "r"(static_cast<int>(on)), "f"(x), "f"(y) : "memory");
   }
-
-};
-
-// wgrad with bf16 output on ping-pong consumers (TileConfig::kPingPong): 128 x 128 tiles, each
-// computed by one consumer warpgroup (two 64-row atoms), so a tile's epilogue overlaps the
-// other warpgroup's K loop. With K = the rows of one expert (512 at DeepSeek-V3 sizes, 8 K
-// steps) the cooperative kernel's tensor pipe idled 44 % of the time (docs/gemm.md, ncu).
-// The operands per K step are 32 KiB for 2.1 MFLOP (the cooperative tile: 48 KiB for 4.2):
-// affordable here, where L2 ran at 43 %. Same K order per element: the same bits.
-template <bool Seeded>
-struct WgradPingPongKind : WgradKind<kWgradWriteBf16, 1, Seeded> {
-  using Base = WgradKind<kWgradWriteBf16, 1, Seeded>;
-  using typename Base::Coord;
-  using typename Base::Params;
-  using typename Base::Problem;
-  using Base::problem;
-  using Cfg = TileConfig<128, 6, Major::kMN, Major::kMN, 1, true>;
-  static constexpr int kTileN = 128;
-
-  __device__ static void load_stage(const Params& p, const KTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
-                                    int) {
-    const Problem& pr = problem(p, t);
-    const int row = t.row0 + kKStepRows * k;
-#pragma unroll
-    for (int box = 0; box < 2; ++box) {
-      tma_load_2d(&pr.a, bar, a + box * 8192, 128 * t.m_tile + 64 * box, row);
-      tma_load_2d(&pr.b, bar, b + box * 8192, kTileN * t.n_tile + 64 * box, row);
-    }
-  }
-
-  // Fragment value v (0..127) of this thread: atom v / 64 (tile rows 64*atom ..), value v % 64
-  // of the 64 x 128 atom (the PTX D layout, EpiCtx::row_in_wg / col).
-  __device__ static Coord coord(const Problem& pr, const KTile& t, const EpiCtx& ctx, int v) {
-    const int i = v % 64;
-    const int m = 128 * t.m_tile + 64 * (v / 64) + ctx.row_in_wg((i / 2) % 2);
-    const int n = kTileN * t.n_tile + ctx.col(i / 4);
-    return {(static_cast<int64_t>(t.expert) * pr.m + m) * pr.n + n, m < pr.m && n < pr.n};
-  }
-
-  template <class Acc>
-  __device__ static void seed(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    Base::seed_acc(p, t, acc, [&](const Problem& pr, int v) { return coord(pr, t, ctx, v); });
-  }
-
-  template <class Acc>
-  __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    const Problem& pr = problem(p, t);
-#pragma unroll
-    for (int v = 0; v < cute::size(acc); v += 2) acc(v) = __uint_as_float(pack_bf16x2(acc(v), acc(v + 1)));
-    store_atom<0>(pr, t, ctx, acc);
-    store_atom<1>(pr, t, ctx, acc);
-  }
-
-  // Rows [64*Atom, 64*Atom + 64) of the tile, all 128 columns: one store round.
-  template <int Atom, class Acc>
-  __device__ static void store_atom(const Problem& pr, const KTile& t, const EpiCtx& ctx, const Acc& acc) {
-    const CUtensorMap* map = &pr.out;
-    const int col0 = kTileN * t.n_tile, row0 = 128 * t.m_tile + 64 * Atom;
-    store_round<0, Atom>(ctx, [&](int i) { return __float_as_uint(acc(i + 64 * Atom)); },
-                         Box3dStore{map, col0, pr.n, row0, pr.m, t.expert});
-  }
 };
 
 }  // namespace mok::gemm

@@ -2,7 +2,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "gemm/gemm_host.hpp"
@@ -21,8 +20,8 @@ void launch_kind(const typename Kind::Params& p, const Launch& launch, cudaStrea
   // Whole clusters only: a grid that is not a multiple of the cluster size is rounded down.
   const int grid = std::max(resolve_grid(launch) / Cfg::kClusterM, 1) * Cfg::kClusterM;
   // Single CTAs launch plainly: a cluster-dimension attribute of 1 measured 4-17% slower
-  // (docs/gemm.md v3). Developer knob: MOK_GEMM_CLUSTER_ATTR=1 adds it anyway.
-  if (Cfg::kClusterM == 1 && std::getenv("MOK_GEMM_CLUSTER_ATTR") == nullptr) {
+  // (docs/gemm.md v3).
+  if (Cfg::kClusterM == 1) {
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
     check_cuda(cudaGetLastError(), "grouped GEMM launch");
     return;
@@ -56,10 +55,8 @@ inline RowScheduler row_scheduler(const Segments& seg, int64_t cols, int tile_co
   s.rows = seg.rows;
   s.experts = seg.experts;
   s.n_tiles = static_cast<int>((cols + tile_cols - 1) / tile_cols);
-  // Developer knob (measurement only): MOK_GEMM_GROUP_M overrides the raster group.
-  s.group_m = group_m_override(group_m);
+  s.group_m = group_m;
   s.cluster = 1;  // set by the launcher
-  s.expert_groups = expert_raster_groups();
   return s;
 }
 
@@ -83,7 +80,6 @@ inline void check_row_problem(const Segments& seg, const Launch& launch, int64_t
 template <template <int> class Kind, class Params>
 void launch_row_kind(Params& p, const Launch& launch, cudaStream_t stream) {
   p.err = error_sink(launch);
-  if constexpr (requires { p.defer_wg1_shift; }) p.defer_wg1_shift = defer_wg1_shift();
   with_cluster(launch, [&](auto c) {
     p.sched.cluster = c;
     launch_kind<Kind<c>>(p, launch, stream);

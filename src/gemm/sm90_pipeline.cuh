@@ -121,14 +121,10 @@ struct StageBarriers {
 };
 
 // Named barriers (id 0 is __syncthreads). One per consumer warpgroup for its epilogue.
-// Ping-pong consumers: kOrderAfterWG0 / kOrderAfterWG1 = "that warpgroup finished its K loop".
-enum class NamedBarrier : uint32_t { kEpilogueWG0 = 1, kEpilogueWG1 = 2, kOrderAfterWG0 = 3, kOrderAfterWG1 = 4 };
+enum class NamedBarrier : uint32_t { kEpilogueWG0 = 1, kEpilogueWG1 = 2 };
 
 __device__ inline void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ inline void named_barrier_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Waits until every bulk (TMA) store committed by this thread has fully completed

@@ -80,25 +80,14 @@ constexpr cute::GMMA::Major gmma_major() {
   return M == Major::kK ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
 }
 
-// 64xBNx64 wgmma atoms over the consumer warpgroups: WarpGroups = 2 (cooperative) stacks two
-// along M, consumer warpgroup w owns tile rows [64w, 64w+64); WarpGroups = 1 (ping-pong): one
-// warpgroup covers the whole 128-row tile (the 64-row atom twice along M).
-template <class Cfg, int WarpGroups = 2>
+// 64xBNx64 wgmma atoms over the two consumer warpgroups, stacked along M: consumer warpgroup w
+// owns tile rows [64w, 64w+64).
+template <class Cfg>
 __device__ inline auto make_consumer_mma() {
   using T = cute::bfloat16_t;
   auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kBN>, cute::_64>,
                                        gmma_major<Cfg::kAMajor>(), gmma_major<Cfg::kBMajor>()>();
-  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<cute::Int<WarpGroups>, _1, _1>>{});
-}
-
-// Moves a pipeline state past `steps` stages without touching them (the other warpgroup's
-// tile in ping-pong). Closed form: a loop here, ahead of the wgmma loop, makes ptxas
-// serialise wgmma (C7518, see docs/gemm.md).
-template <int Stages>
-__device__ inline void skip_stages(PipeState<Stages>& st, int steps) {
-  const int pos = st.index + steps;
-  st.index = pos % Stages;
-  st.phase ^= static_cast<uint32_t>((pos / Stages) & 1);
+  return cute::make_tiled_mma(op, cute::Layout<cute::Shape<cute::Int<Cfg::kConsumerWGs>, _1, _1>>{});
 }
 
 // ---- Producer ----------------------------------------------------------------------------
@@ -184,7 +173,6 @@ __device__ inline void release_stage(SharedStorage<Cfg>& ss, int s, int tid_in_w
 }
 template <class Cfg>
 constexpr int empty_barrier_arrivals() {
-  if constexpr (Cfg::kPingPong) return kWarpGroupThreads;  // one warpgroup reads a stage
   return Cfg::kClusterM == 1 ? Cfg::kConsumerThreads : Cfg::kConsumerWGs * Cfg::kClusterM;
 }
 
@@ -196,8 +184,6 @@ struct NoHook {
   __device__ void operator()(int) const {}
 };
 
-// proxy_fence: the stage's A tile was written by cp.async (generic proxy, a gathering
-// producer), which wgmma (async proxy) reads only after a proxy fence.
 // during_k_loop(k) runs right after wgmma batch k was issued, for every k (once with k = -1
 // when there is no K step). Up to two batches (~2k cycles of tensor work) are then in flight,
 // so work placed there (the next tile's coordinates, a deferred epilogue) overlaps the tensor
@@ -206,7 +192,7 @@ struct NoHook {
 template <class Cfg, class Mma, class FragA, class FragB, class Acc, class Hook = NoHook>
 __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st, int k_steps,
                              Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
-                             const ErrorSink& err, int tid_in_wg, bool proxy_fence = false, int trace_tile = -1,
+                             const ErrorSink& err, int tid_in_wg, int trace_tile = -1,
                              Hook during_k_loop = {}) {
   using cute::_;
   int prev = -1;
@@ -215,7 +201,6 @@ __device__ bool mma_mainloop(SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st
   for (int k = 0; k < k_steps; ++k) {
     if (!wait_barrier(&ss.bars.full[st.index], st.phase, err)) return false;
     if (k == 0) MOK_GEMM_MARK(err, trace_tile, 2, clock64());
-    if (proxy_fence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     cute::warpgroup_fence_operand(acc);
     cute::warpgroup_arrive();
     cute::gemm(mma, tCrA(_, _, _, st.index), tCrB(_, _, _, st.index), acc);

@@ -52,7 +52,6 @@ struct RowScheduler {
   int n_tiles;  // output column blocks per row tile
   int group_m;  // row tiles per raster group
   int cluster;  // CTAs per cluster (1 or 2)
-  bool expert_groups;  // cluster 1: raster groups aligned to experts (raster_expert_groups)
 
   __device__ SegOffsets seg(uint32_t smem = 0) const { return {offsets, smem}; }
   __device__ int first_row_tile(uint32_t smem = 0) const { return seg(smem)(0) / kRowTileRows; }
@@ -68,12 +67,7 @@ struct RowScheduler {
     const SegOffsets off = seg(seg_smem);
     const int first = first_row_tile(seg_smem), total = row_tiles(seg_smem);
     int unit, n;
-    if (cluster == 1 && expert_groups) {
-      raster_expert_groups(t, first, total, n_tiles, group_m, off, experts, unit, n);
-      unit -= first;
-    } else {
-      raster_group(t, (total + cluster - 1) / cluster, n_tiles, max(group_m / cluster, 1), unit, n);
-    }
+    raster_group(t, (total + cluster - 1) / cluster, n_tiles, max(group_m / cluster, 1), unit, n);
     RowTile tile{};
     int experts_seen[2] = {-1, -1};
     int real_sum = 0;

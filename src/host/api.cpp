@@ -50,20 +50,10 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   Workspace::Impl& impl = ws.impl();
   DeviceGuard guard(impl.device);
   if (impl.forward_path == megakernel::ForwardPath::kFused) {
-    megakernel::FusedForwardOptions options;
+    megakernel::FusedForwardOptions options = impl.fused;
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
-    options.dedup = impl.dispatch_dedup;
-    options.own_rows_in_place = impl.combine_in_place;
-    options.token_major = impl.dispatch_token_major;
-    options.help_rows = impl.dispatch_help_rows;
-    options.fused_topk_sum = impl.fused_topk_sum;
-    options.join_gemm = impl.join_gemm;
-    options.task_counter = impl.task_counter;
-    options.epilogue_push = impl.epilogue_push;
-    options.ring_comm_ctas = impl.ring_comm_ctas;
-    options.expert_raster = impl.expert_raster;
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, stream);
   } else {
     megakernel::StagedForwardOptions options;
@@ -71,8 +61,6 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.combine_ctas = options.dispatch_ctas;
     options.gemm_grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
-    options.dedup = impl.dispatch_dedup;
-    options.own_rows_in_place = impl.combine_in_place;
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, stream);
   }
   impl.last_stream = stream;

@@ -116,9 +116,6 @@ std::unique_ptr<Workspace> create_simulated_workspace(const LayerShape& shape, c
   const int64_t resident = resident_rows(*impl);
   auto window = std::make_unique<comm::SymmetricWindow>(group, rank, comm::CommState::window_bytes(shape));
   impl->state = std::make_unique<comm::CommState>(shape, config, std::move(window), resident);
-  // Allocated now, not lazily in a pass (token-major dispatch): an allocation between a rank's
-  // launches may wait for the device, i.e. for a peer's kernel spinning on this rank.
-  impl->state->recv_buffer();
   finish_impl(*impl, resident);  // ends with the device sync
   // Last: no rank launches a kernel that waits on its peers while another is still inside a
   // device-wide sync above (that sync would wait for the spinning kernel: a deadlock).

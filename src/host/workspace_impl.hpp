@@ -27,33 +27,10 @@ struct Workspace::Impl {
   // Which forward mok::forward runs: the fused kernel (default) or the staged launches
   // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
   megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;
-  // Copy modes of both paths (same bytes either way; tests and benches switch them off to
-  // compare): dedup fan-out dispatch, combine with the own rank's rows read in place.
-  bool dispatch_dedup = true;
-  bool combine_in_place = true;
-  // Fused path: token-major dispatch + GEMM 1 gathering its rows (same bits as the fan-out;
-  // off by default, FusedForwardOptions::token_major). Set before the first forward pass.
-  bool dispatch_token_major = false;
-  // Fused path, dedup: rows of the dispatch's first tiles the GEMM CTAs help with
-  // (FusedForwardOptions::help_rows; -1 automatic, the default; 0 off). Same bits.
-  int64_t dispatch_help_rows = -1;
-  // Fused path: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum; off
-  // by default: the epilogue kernel after it). Same bits.
-  bool fused_topk_sum = false;
-  // Fused path: comm CTAs that take GEMM tasks after their dispatch share
-  // (FusedForwardOptions::join_gemm; -1 automatic, the default; 0 none). Same bits.
-  int join_gemm = -1;
-  // Fused path: the GEMM tasks' hand-out (FusedForwardOptions::task_counter; -1 automatic).
-  int task_counter = -1;
-  // Fused path: the combine pushed from GEMM 2's epilogue (FusedForwardOptions::epilogue_push;
-  // -1 automatic, the default; 0 off; 1 on). Same bits.
-  int epilogue_push = -1;
-  // Fused path with the macrobatch ring: comm CTAs that dispatch past the first ring window
-  // (FusedForwardOptions::ring_comm_ctas; -1 automatic, 0 all). Same bits.
-  int ring_comm_ctas = -1;
-  // Fused path: routed raster groups aligned to experts (FusedForwardOptions::expert_raster; -1
-  // automatic = aligned, 0 global groups, 1 aligned). Same bits.
-  int expert_raster = -1;
+  // The fused path's undecided choices (FusedForwardOptions::join_gemm, epilogue_push,
+  // fused_topk_sum; the comm CTAs, grid and timeout come from `config`). Defaults as there;
+  // tests and benches set them to compare (same bits).
+  megakernel::FusedForwardOptions fused;
   cudaStream_t last_stream = nullptr;  // the stream check() synchronises
   // Simulated ranks (host/simulated_ranks.hpp): the group this rank belongs to (it outlives the
   // workspace) and the rank in it; null with an NCCL communicator.

@@ -1,8 +1,8 @@
 // Communication roles of the fused kernel. Its CTAs have the GEMM's shape (3 warpgroups, 12
 // warps: a 128x256 fp32 wgmma accumulator needs more than the 128 registers a 512-thread
 // CTA could give each thread). The roles are comm/roles.cuh's kWarp roles, which are generic
-// over the warp count (comm::WarpShape): same code, bytes, memory ordering and CTA split
-// (role.remote_ctas) as the standalone kernels; only the copy shape differs.
+// over the warp count (comm::WarpShape): same code, bytes and memory ordering as the standalone
+// kernels; only the copy shape differs.
 //
 //   dispatch_rows_pull   row buffer <- owners' x over NVLink (dedup: once per (token, rank), fanned
 //                        out to the token's rows), padding rows zeroed, ready[m] += 1 per tile
@@ -53,7 +53,7 @@ __device__ inline void dispatch_rows_pull(const comm::DispatchRole& r, int cta, 
   comm::dispatch_pull_warps<FusedWarps<Warps>>(r, cta, nctas);
 }
 
-// The dedup dispatch with the GEMM CTAs' help at the start (FusedForwardOptions::help_rows):
+// The dedup dispatch with the GEMM CTAs' help at the start (FusedForwardParams::help_tiles):
 // the first `help_tiles` row tiles go round-robin over every CTA of the grid (worker = its index
 // in the grid), the rest over the comm CTAs (worker = its comm index). The fan-out stores all
 // rows of a token when its first row's tile is processed, so the first tiles carry most of the
@@ -64,7 +64,7 @@ __device__ inline void dispatch_fanout_shared_start(const comm::DispatchRole& r,
                                                     int workers, int warp) {
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
   const int64_t tiles = r.header->padded_rows / kRowTile;
-  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, comm::RowSet::kAll, worker, min(help_tiles, tiles), workers, warp);
+  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, worker, min(help_tiles, tiles), workers, warp);
 }
 template <int Warps>
 __device__ inline void dispatch_rows_pull_helped(const comm::DispatchRole& r, int64_t help_tiles, int cta, int nctas,
@@ -72,8 +72,8 @@ __device__ inline void dispatch_rows_pull_helped(const comm::DispatchRole& r, in
   if (r.header->status != static_cast<int32_t>(Status::kOk)) return;
   const int64_t tiles = r.header->padded_rows / kRowTile;
   const int warp = threadIdx.x / 32;
-  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, comm::RowSet::kAll, cta, min(help_tiles, tiles), grid, warp);
-  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, comm::RowSet::kAll, help_tiles + cta, tiles, nctas, warp);
+  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, cta, min(help_tiles, tiles), grid, warp);
+  comm::dispatch_fanout_range<FusedWarps<Warps>>(r, help_tiles + cta, tiles, nctas, warp);
 }
 
 // Push combine, each row tile after out_ready[tile] (GEMM 2) >= out_ready_target. The slots may

@@ -77,15 +77,15 @@ __device__ void gemm_cta_help_dispatch(const FusedForwardParams& p, int cta, int
   dispatch_fanout_shared_start<kConsumerWarps>(p.dispatch, p.help_tiles, p.comm_ctas + cta, p.comm_ctas + ctas, warp);
 }
 
-// GEMM CTAs: warpgroup 0 produces, 1-2 consume (as the standalone GEMM kernel). Each role is
-// one branch, as setmaxnreg requires. cta / ctas: this GEMM CTA's index and the GEMM CTA count
-// (the help dispatch and the gathering producer's round-robin; -1 for a comm CTA that joins,
-// which has done its dispatch share and never gathers); trace_cta: its trace row.
+// GEMM CTAs: warpgroup 0 produces (thread 0 the TMA loads, thread 32 feeds it the tasks), 1-2
+// consume (as the standalone GEMM kernel). Each role is one branch, as setmaxnreg requires.
+// cta / ctas: this GEMM CTA's index and the GEMM CTA count (the help dispatch; -1 for a comm CTA
+// that joins, which has done its dispatch share); trace_cta: its trace row.
 __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta, int ctas, int trace_cta, bool help) {
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), p.gather.on ? kGatherFullArrivals : 1);
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), 1);
     init_task_queue(*ss);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
@@ -96,13 +96,10 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   const int warpgroup = threadIdx.x / gemm::kWarpGroupThreads;
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (p.gather.on) {
-      auto* table = reinterpret_cast<GatherTable*>(reinterpret_cast<uint8_t*>(ss) + sizeof(gemm::SharedStorage<Cfg>));
-      if (threadIdx.x < 32 * kGatherWarps) gemm_producer_gather(p, list, *ss, *table, cta, ctas);
-    } else if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
       gemm_producer(p, *ss);
     } else if (threadIdx.x == 32) {
-      task_feeder(p, list, *ss, cta, ctas, trace_cta);
+      task_feeder(p, list, *ss, trace_cta);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -188,23 +185,20 @@ int resolve_grid(const FusedForwardOptions& o) {
   return grid;
 }
 
-// Whether GEMM 2's epilogues push the combine's rows (FusedForwardOptions::epilogue_push).
-bool resolve_epilogue_push(const FusedForwardOptions& o) {
-  if (o.epilogue_push < -1 || o.epilogue_push > 1) {
-    throw_invalid("FusedForwardOptions.epilogue_push", "-1 (automatic), 0 (off) or 1 (on)",
-                  std::to_string(o.epilogue_push));
-  }
-  return o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
-}
-
-// Whether the routed raster groups are aligned to experts (FusedForwardOptions::expert_raster).
-bool resolve_expert_raster(const FusedForwardOptions& o) {
-  if (o.expert_raster < -1 || o.expert_raster > 1) {
-    throw_invalid("FusedForwardOptions.expert_raster", "-1 (automatic), 0 (global groups) or 1 (aligned to experts)",
-                  std::to_string(o.expert_raster));
-  }
-  return o.expert_raster != 0;  // automatic: aligned (measured faster at EP 1; docs/megakernel.md)
-}
+// What one pass runs, resolved from the options and the workspace before anything is enqueued
+// (bad options throw first, naming the option).
+struct Plan {
+  FusedForwardOptions o;
+  int grid = 0;
+  bool ring = false;               // the macrobatch ring (Config::macrobatch below the routed buffer)
+  bool dedup = true;               // the fan-out dispatch; the ring pulls every row (plain)
+  bool own_rows_in_place = true;   // own rows stay in expert_out; the ring pushes every row
+  bool push = false;               // GEMM 2's epilogues push the combine's rows
+  int join = 0;                    // comm CTAs that take GEMM tasks after their dispatch share
+  int ring_ctas = 0;               // ring: comm CTAs that dispatch past the first ring window
+  int64_t help_rows = 0;           // dedup: rows of the first tiles the GEMM CTAs dispatch too
+  bool x_in_place = false;         // EP 1: the dispatch reads the caller's x (no staging copy)
+};
 
 // Comm CTAs that take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
 // The combine has rows to move unless every row is the own rank's and read in place, or GEMM 2's
@@ -212,23 +206,10 @@ bool resolve_expert_raster(const FusedForwardOptions& o) {
 // push at EP >= 2 one stays to wait for every routed tile and open the barrier of all ranks, or,
 // with the fused top-k sum, to count the pushed rows per token (comm::count_pushed_rows; at EP 1
 // too when the own rows are pushed).
-int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
-  const bool push = resolve_epilogue_push(o);
-  const bool combine_idle = s.ep == 1 && (o.own_rows_in_place || (push && !o.fused_topk_sum));
+int resolve_join_gemm(const Plan& plan, const LayerShape& s) {
+  const FusedForwardOptions& o = plan.o;
+  const bool combine_idle = s.ep == 1 && (plan.own_rows_in_place || (plan.push && !o.fused_topk_sum));
   const int most = combine_idle ? o.comm_ctas : o.comm_ctas - 1;
-  if (o.task_counter < -1 || o.task_counter > 1) {
-    throw_invalid("FusedForwardOptions.task_counter", "-1 (automatic), 0 (round-robin) or 1 (counter)",
-                  std::to_string(o.task_counter));
-  }
-  if (o.token_major || o.task_counter == 0) {
-    if (o.join_gemm > 0) {
-      throw_invalid("FusedForwardOptions.join_gemm",
-                    std::string("0 or -1 with ") + (o.token_major ? "token_major (its gathering producer" : "task_counter 0 (") +
-                        " hands tasks out round-robin over the GEMM CTAs)",
-                    std::to_string(o.join_gemm));
-    }
-    return 0;
-  }
   if (o.join_gemm < -1 || o.join_gemm > most) {
     throw_invalid("FusedForwardOptions.join_gemm",
                   "-1 (automatic), 0 (none) or up to " + std::to_string(most) + " of the " +
@@ -238,7 +219,7 @@ int resolve_join_gemm(const FusedForwardOptions& o, const LayerShape& s) {
   }
   if (o.join_gemm >= 0) return o.join_gemm;
   if (combine_idle) return o.comm_ctas;
-  return push ? most : 0;  // EP >= 2 without the push: joining measured slower (docs/megakernel.md)
+  return plan.push ? most : 0;  // EP >= 2 without the push: joining measured slower (docs/megakernel.md)
 }
 
 gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf16* gate, const bf16* up,
@@ -271,58 +252,66 @@ gemm::Gemm2Params gemm2_params_for(const bf16* h, int64_t h_rows, const bf16* do
   return p;
 }
 
-// The macrobatch ring (the workspace's routed buffers hold fewer rows than the schedule's
-// buffer, Config::macrobatch) fixes the copy modes that keep a row tile's bytes in its slot
-// only while the slot is its own: the plain pull (the fan-out stores a token's rows of later
+// The pass's plan. The macrobatch ring (the workspace's routed buffers hold fewer rows than the
+// schedule's buffer, Config::macrobatch) fixes the copy modes that keep a row tile's bytes in its
+// slot only while the slot is its own: the plain pull (the fan-out stores a token's rows of later
 // minibatches with its first one), no help from the GEMM CTAs (they fan out), and GEMM 2's
-// epilogue pushing every row into its slot (the top-k sum reads no row in place, and
-// expert_out is not written). Options that cannot go with it are refused, naming them.
-FusedForwardOptions resolve_ring(const comm::CommState& state, const ForwardBuffers& b, FusedForwardOptions o) {
+// epilogue pushing every row into its slot (the top-k sum reads no row in place, and expert_out
+// is not written).
+Plan make_plan(const comm::CommState& state, const ForwardBuffers& b, const ForwardArgs& args,
+               const FusedForwardOptions& o) {
+  const LayerShape& s = state.shape();
   if (b.resident_rows != state.row_buffer_rows()) {
     throw_invalid("ForwardBuffers.resident_rows", "the rows of the comm state's row buffer (" +
                                                       std::to_string(state.row_buffer_rows()) + ")",
                   std::to_string(b.resident_rows));
   }
-  if (o.ring_comm_ctas < -1) {
-    throw_invalid("FusedForwardOptions.ring_comm_ctas", "-1 (automatic), 0 (all comm CTAs) or a count",
-                  std::to_string(o.ring_comm_ctas));
+  if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
+  if (o.epilogue_push < -1 || o.epilogue_push > 1) {
+    throw_invalid("FusedForwardOptions.epilogue_push", "-1 (automatic), 0 (off) or 1 (on)",
+                  std::to_string(o.epilogue_push));
   }
-  if (!b.ring()) return o;
-  const std::string ring = "with the macrobatch ring (Config.macrobatch = " +
-                           std::to_string(state.config().macrobatch) + " rows)";
-  if (o.token_major) throw_invalid("FusedForwardOptions.token_major", "false " + ring, "true");
-  if (o.epilogue_push == 0) throw_invalid("FusedForwardOptions.epilogue_push", "-1 or 1 " + ring, "0");
-  o.dedup = false;
-  o.help_rows = 0;
-  o.own_rows_in_place = false;
-  o.epilogue_push = 1;
-  o.push_keeps_expert_out = false;
-  // Past the first window the dispatch is paced by GEMM 1 (each tile waits for its slot), so a
-  // few CTAs keep up and the others join the GEMM work. Automatic: the CTAs that move the
-  // routed rows at the rate GEMM 1 takes them (~600 TFLOP/s), at ~23 GB/s each (the plain pull
-  // of a fused comm CTA, from qwen3 at EP 1: 8 CTAs too few, 16 enough), with 20 % headroom:
-  // dsv3 5, gptoss 4, qwen3 14 (measured at EP 1 with 16 comm CTAs: dsv3 +1.8 % over the
-  // default at 4, +3.5 % at 8, +11.5 % at all 16; gptoss -0.7 / +2.7 / +5 %; qwen3 needs ~16).
-  if (o.ring_comm_ctas < 0) {
-    const LayerShape& s = state.shape();
+  Plan plan;
+  plan.o = o;
+  plan.grid = resolve_grid(o);
+  plan.ring = b.ring();
+  plan.push = o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
+  if (plan.ring) {
+    if (o.epilogue_push == 0) {
+      throw_invalid("FusedForwardOptions.epilogue_push",
+                    "-1 or 1 with the macrobatch ring (Config.macrobatch = " +
+                        std::to_string(state.config().macrobatch) + " rows)",
+                    "0");
+    }
+    plan.dedup = false;
+    plan.own_rows_in_place = false;
+    plan.push = true;
+    // Past the first window the dispatch is paced by GEMM 1 (each tile waits for its slot), so a
+    // few CTAs keep up and the others join the GEMM work. The CTAs that move the routed rows at
+    // the rate GEMM 1 takes them (~600 TFLOP/s), at ~23 GB/s each (the plain pull of a fused
+    // comm CTA, from qwen3 at EP 1: 8 CTAs too few, 16 enough), with 20 % headroom: dsv3 5,
+    // gptoss 4, qwen3 14 (measured at EP 1 with 16 comm CTAs: dsv3 +1.8 % over the default at
+    // 4, +3.5 % at 8, +11.5 % at all 16; gptoss -0.7 / +2.7 / +5 %; qwen3 needs ~16).
     const double row_bytes = static_cast<double>(s.tokens) * s.topk * s.hidden * 2.0;
     const double bytes_per_s = row_bytes / (forward_flops(s) / 600e12);
-    o.ring_comm_ctas = static_cast<int>(std::ceil(1.2 * bytes_per_s / 23e9));
+    plan.ring_ctas = std::clamp(static_cast<int>(std::ceil(1.2 * bytes_per_s / 23e9)), 1, o.comm_ctas);
+  } else {
+    // The fan-out's front-loaded first quarter of the routed rows is also dispatched by the GEMM
+    // CTAs when no shared expert hides the first minibatch's dispatch (they have nothing else to
+    // do until it landed), else nothing.
+    plan.help_rows = s.has_shared() ? 0 : s.tokens * s.topk / 4;
   }
-  o.ring_comm_ctas = o.ring_comm_ctas == 0 ? 0 : std::clamp(o.ring_comm_ctas, 1, o.comm_ctas);
-  return o;
+  plan.join = resolve_join_gemm(plan, s);
+  // At EP 1 no peer reads the window's copy of x: the dispatch reads the caller's x itself
+  // (DispatchRole::own_x) and the staging copy is skipped (qwen3: 64 MB, ~0.02-0.04 ms in front
+  // of the kernel). Needs 16-byte rows (the dispatch's vector loads); otherwise x is staged.
+  plan.x_in_place = s.ep == 1 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0;
+  return plan;
 }
 
-// At EP 1 no peer reads the window's copy of x: the dispatch reads the caller's x itself
-// (DispatchRole::own_x) and the staging copy is skipped (qwen3: 64 MB, ~0.02-0.04 ms in front of
-// the kernel). Needs 16-byte rows (the dispatch's vector loads); otherwise x is staged as before.
-bool reads_x_in_place(const comm::CommState& state, const ForwardArgs& args, const FusedForwardOptions& o) {
-  return state.shape().ep == 1 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && !o.stage_x;
-}
-
-// join: resolve_join_gemm's count (resolved once per pass, before anything is enqueued).
 FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args,
-                               const ExpertWeights& w, const FusedForwardOptions& o, int join) {
+                               const ExpertWeights& w, const Plan& plan) {
+  const FusedForwardOptions& o = plan.o;
   const LayerShape& s = state.shape();
   const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate, E = s.local_experts();
   const int64_t R = b.buffer_rows, resident = b.resident_rows;
@@ -354,7 +343,6 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.tasks.n2 = static_cast<int>(ceil_div(H, 256));
   p.tasks.tiles_per_minibatch = static_cast<int>(state.view().minibatch / kRowTile);
   p.tasks.group_m = gemm::kGroupM;
-  p.tasks.expert_groups = resolve_expert_raster(o);
   p.shared_tokens = static_cast<int>(s.tokens);
   p.experts = static_cast<int>(E);
   const int64_t shared_tiles = b.shared_rows / kRowTile, routed_tiles = R / kRowTile;
@@ -367,39 +355,23 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.wait = state.wait_context();
   p.comm_ctas = o.comm_ctas;
   p.next_task = p.s2_done + shared_tiles + 1;  // after the top-k sum's counter (ForwardBuffers::tile_counters)
-  p.combine_ctas = o.comm_ctas - join;
-  p.task_counter = o.task_counter != 0;
+  p.combine_ctas = o.comm_ctas - plan.join;
 
   // The fan-out dedup never waits on other tiles, so it is safe beside the GEMM CTAs.
-  p.dispatch = state.dispatch_role(o.dedup, o.token_major);
-  if (reads_x_in_place(state, args, o)) p.dispatch.own_x = reinterpret_cast<const char*>(args.x);
-  if (p.ring_tiles > 0) {  // resolve_ring: plain pull, no help
+  p.dispatch = state.dispatch_role(plan.dedup);
+  if (plan.x_in_place) p.dispatch.own_x = reinterpret_cast<const char*>(args.x);
+  if (p.ring_tiles > 0) {  // make_plan: plain pull, no help
     p.dispatch.ring_tiles = p.ring_tiles;
     p.dispatch.ring_free = p.g1_done;
     p.dispatch.ring_free_target = 2u * static_cast<uint32_t>(p.tasks.n1);
-    p.dispatch.ring_ctas = o.ring_comm_ctas;
+    p.dispatch.ring_ctas = plan.ring_ctas;
   }
-  if (o.dedup && !o.token_major && p.dispatch.remote_ctas == 0 && o.help_rows != 0) {
-    // Automatic: a quarter of the routed rows (the fan-out's front-loaded part) when no shared
-    // expert hides the first minibatch's dispatch, else none.
-    const int64_t rows = o.help_rows > 0 ? o.help_rows : (s.has_shared() ? 0 : s.tokens * s.topk / 4);
-    p.help_tiles = ceil_div(rows, kRowTile);
-  }
-  if (o.token_major) {
-    p.gather.on = true;
-    p.gather.rows = p.view.rows;
-    p.gather.own_x = reinterpret_cast<const char*>(args.x);
-    p.gather.recv = p.dispatch.recv;
-    p.gather.tokens = s.tokens;
-    p.gather.row_bytes = H * 2;
-    p.gather.rank = state.rank();
-  }
+  p.help_tiles = ceil_div(plan.help_rows, kRowTile);
   comm::CombineRole& c = p.combine;  // gated per row tile by GEMM 2
-  c = state.combine_role(b.expert_out.get(), o.own_rows_in_place);
+  c = state.combine_role(b.expert_out.get(), plan.own_rows_in_place);
   c.out_ready = p.g2_done;
   c.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
-  if (!o.combine_remote_list) c.remote_rows = c.remote_count = nullptr;
-  if (resolve_epilogue_push(o)) {
+  if (plan.push) {
     EpiloguePush& e = p.push;
     e.on = true;
     e.rows = p.view.rows;
@@ -407,9 +379,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     e.slots_offset = c.slots_offset;
     e.row_bytes = c.row_bytes;
     e.topk = static_cast<int>(s.topk);
-    e.own_rows = !o.own_rows_in_place;
-    e.store_out = o.own_rows_in_place || o.push_keeps_expert_out;
-    e.sys_release = gemm::host::env_is("MOK_FORWARD_PUSH_SYS_RELEASE", "1");
+    e.own_rows = !plan.own_rows_in_place;
   }
   if (o.fused_topk_sum) {
     c.count_arrivals = true;
@@ -423,7 +393,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     t.topk_w = args.topk_w;
     t.slots = reinterpret_cast<const char*>(state.slots());
     t.arrivals = state.arrivals();
-    if (o.own_rows_in_place) {
+    if (plan.own_rows_in_place) {
       t.own_dest_row = state.own_dest_row();
       t.expert_out = reinterpret_cast<const char*>(b.expert_out.get());
     }
@@ -547,16 +517,14 @@ const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kS
 
 void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
                    const FusedForwardOptions& options, cudaStream_t stream) {
-  const FusedForwardOptions o = resolve_ring(state, b, options);
-  const int grid = resolve_grid(o);
-  const int join = resolve_join_gemm(o, state.shape());  // bad options throw before anything is enqueued
-  resolve_expert_raster(o);
-  if (!(o.timeout_s > 0)) throw_invalid("FusedForwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
+  const Plan plan = make_plan(state, b, args, options);  // bad options throw before anything is enqueued
+  const FusedForwardOptions& o = plan.o;
+  const int grid = plan.grid;
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
   convert_segments(state, b, stream);
-  if (!reads_x_in_place(state, args, o)) state.stage_x(args.x, stream);
+  if (!plan.x_in_place) state.stage_x(args.x, stream);
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
@@ -565,7 +533,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
     // kernel (after this memset) opens; last pass's adds all came before its sum finished.
     MOK_CUDA_CHECK(cudaMemsetAsync(state.arrivals(), 0, state.shape().tokens * sizeof(uint32_t), stream));
   }
-  FusedForwardParams p = make_params(state, b, args, w, o, join);
+  FusedForwardParams p = make_params(state, b, args, w, plan);
   MOK_FWD_TRACE(p.trace = sink; p.topk.trace_tokens = sink.tokens; trace_event(1, stream);)
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
@@ -573,7 +541,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   if (!o.fused_topk_sum) {
     const LayerShape& s = state.shape();
     state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
-                   o.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
+                   plan.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
   }
   poison_y_on_error(state, args.y, stream);
   MOK_FWD_TRACE(trace_event(3, stream);)

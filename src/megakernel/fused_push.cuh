@@ -15,9 +15,7 @@
 // (__threadfence_system, system-scope flags); the epilogue kernel reads the slots after that
 // barrier. The pushes precede the barrier's system-scope release in causality order (PTX memory
 // model: bar.sync, then release/acquire pairs, each morally strong; the order is transitive and
-// the fences cumulative), so the peer's epilogue kernel sees them. Developer knob
-// MOK_FORWARD_PUSH_SYS_RELEASE=1: publish pushing tiles with a system-scope release instead
-// (measurement only: the same bits, a costlier fence per tile).
+// the fences cumulative), so the peer's epilogue kernel sees them.
 #pragma once
 
 #include <cstdint>
@@ -35,14 +33,11 @@ struct EpiloguePush {
   size_t slots_offset = 0;               // SymmetricLayout::slots
   int64_t row_bytes = 0;                 // H * 2
   int topk = 1;
-  bool own_rows = false;  // also the own rank's rows (own_rows_in_place off)
-  // TMA-store the tile into expert_out too. Off when every row is pushed (own_rows): the slots
-  // then hold every (t, k) row (the saved context, as after the all-slots combine) and nothing
-  // reads expert_out, so the tile is written once instead of twice (measured at EP 1: the
-  // second write cost 4-5 %, docs/megakernel.md). On with own_rows only for the A/B
-  // (FusedForwardOptions::push_keeps_expert_out).
-  bool store_out = true;
-  bool sys_release = false;  // MOK_FORWARD_PUSH_SYS_RELEASE=1 (developer knob, see above)
+  // Also the own rank's rows (the macrobatch ring, where expert_out is a single row tile): the
+  // slots then hold every (t, k) row and nothing reads expert_out, so the tile is not
+  // TMA-stored there (a second write of the tile cost 4-5 % at EP 1, docs/megakernel.md).
+  bool own_rows = false;
+  __device__ bool store_out() const { return !own_rows; }
 };
 
 // The slot base address of each of a warp's 16 tile rows (lane l holds row l % 16's; nullptr:

@@ -46,24 +46,9 @@ static_assert(std::is_same_v<Cfg, G2Kind::Cfg>, "one shared-memory layout serves
 struct FusedCta {
   static constexpr int kThreads = Cfg::kThreads;
   static constexpr int kWarps = kThreads / 32;
-  // The GEMM's shared memory plus the gathering producer's row table (GatherTable, 1 KiB).
-  static constexpr int kGatherTableBytes = 128 * 8;
-  static constexpr int kSmemBytes = Cfg::kSmemBytes + kGatherTableBytes;
-  static_assert(kSmemBytes <= gemm::kMaxSmemPerBlock, "GEMM shared memory + gather table exceed the SM");
+  static constexpr int kSmemBytes = Cfg::kSmemBytes;
+  static_assert(kSmemBytes <= gemm::kMaxSmemPerBlock, "GEMM shared memory exceeds the SM");
   static_assert(kThreads == 3 * gemm::kWarpGroupThreads, "producer + two consumer warpgroups");
-};
-
-// GEMM 1 with gathered rows (after a token-major dispatch, FusedForwardOptions::token_major):
-// row r of the expert-major order is read from its token's row in x (own rank) or in the
-// receive buffer (other ranks), so the expert-major row buffer is never written.
-struct GatherParams {
-  bool on = false;
-  const comm::RowEntry* rows = nullptr;  // ScheduleView::rows
-  const char* own_x = nullptr;           // this rank's x [T, H]
-  const char* recv = nullptr;            // [ep * T, H] (CommState::recv_buffer)
-  int64_t tokens = 0;
-  int64_t row_bytes = 0;                 // H * 2
-  int rank = 0;
 };
 
 struct FusedForwardParams {
@@ -87,11 +72,9 @@ struct FusedForwardParams {
   // comm_ctas) take GEMM tasks after their dispatch share (FusedForwardOptions::join_gemm).
   int combine_ctas = 0;
   uint32_t* next_task = nullptr;  // the task hand-out counter (zeroed before the kernel)
-  bool task_counter = false;      // hand tasks out through next_task (else round-robin over the GEMM CTAs)
   // Dedup fan-out: the first help_tiles row tiles are dispatched by every CTA (the GEMM CTAs'
   // consumer warps first, before their tasks), the rest by the comm CTAs. 0: comm CTAs only.
   int64_t help_tiles = 0;
-  GatherParams gather;
   TopkSumParams topk;  // the fused top-k sum (fused_topk_sum.cuh); off: the epilogue kernel after this one
   EpiloguePush push;   // the combine from GEMM 2's epilogue (fused_push.cuh); off: the comm CTAs combine
   // Macrobatch ring (Config::macrobatch): routed row tile t reads and writes slot t % ring_tiles
@@ -146,7 +129,7 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 // Finding a task's tile (the task list position, then the expert of its row tile: a search
 // over the segment table in global memory) is a chain of dependent loads: ~1.3-1.6 us per task
 // when the consumers did it themselves at every tile boundary (trace build, docs/megakernel.md,
-// seventh session). The producer already knows the tile, ahead of the consumers: it writes it
+// 2026-12-01, 581c042). The producer already knows the tile, ahead of the consumers: it writes it
 // into the slot of the task's FIRST stage before that stage's arrive (mbarrier arrive releases
 // at CTA scope), and the consumers read it after their wait on that stage (acquire). So every
 // task has a first stage: a task without K steps sends one stage without loads.
@@ -215,11 +198,7 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
                                   p.wait);
       break;
     case TaskKind::kGemm1:
-      if (p.gather.on) {
-        comm::wait_minibatch_landed(p.ready, p.view, t.minibatch, p.wait);
-      } else {
-        comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
-      }
+      comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
       if (p.ring_tiles > 0 && t.row_tile >= p.ring_tiles) {
         // The ring slot's hidden rows (and saved g, u) belong to tile row_tile - ring_tiles until
         // GEMM 2 read them: every column block of it published (its TMA loads completed).
@@ -287,10 +266,8 @@ __device__ inline bool send_end_of_tasks(gemm::SharedStorage<Cfg>& ss, gemm::Pip
 // loads) and the wait for the task's inputs run here, one task ahead of the producer, so that
 // none of them delays the stage ring (on the producer's path they cost 2-11 % at EP 1,
 // docs/megakernel.md). `trace_cta`: this CTA's trace row.
-// With FusedForwardParams::task_counter off (no comm CTA joins then) the tasks go round-robin:
-// GEMM CTA `cta` of `ctas` takes cta, cta + ctas, ...
 __device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
-                                   int cta, int ctas, int trace_cta) {
+                                   int trace_cta) {
   (void)trace_cta;
   TaskQueue& q = task_queue(ss);
   const uint32_t n = static_cast<uint32_t>(list.size());
@@ -298,7 +275,7 @@ __device__ inline void task_feeder(const FusedForwardParams& p, const TaskList& 
   for (int j = 0;; ++j) {
     if (!gemm::wait_barrier(&q.empty, phase, p.routed1.err)) return;
     phase ^= 1u;
-    const uint32_t i = p.task_counter ? atomicAdd(p.next_task, 1u) : static_cast<uint32_t>(cta + j * ctas);
+    const uint32_t i = atomicAdd(p.next_task, 1u);
     TaskSlot slot{};
     slot.k_steps = kEndOfTasks;
     if (i < n) {
@@ -336,146 +313,6 @@ __device__ inline void gemm_producer(const FusedForwardParams& p, gemm::SharedSt
   send_end_of_tasks(ss, st, p.routed1.err, true, true);
 }
 
-// ---- gathering producer (token-major dispatch) -----------------------------------------------
-// The four warps of warpgroup 0 produce instead of one thread. Lane 0 of warp 0 issues the TMA
-// loads (B, and A of the tiles that are not gathered); for a routed GEMM 1 tile warp w copies
-// the 16-byte chunks of tile rows [32w, 32w + 32) with cp.async straight into the
-// 128B-swizzled stage layout that TMA would have written (same bytes, so the same wgmma
-// results). Every producer thread arrives once per stage (cp.async-tracked or plain), thread 0
-// also with the expect_tx: the full barriers count 1 + 128 arrivals. Measured (docs/megakernel.md):
-// one warp moves too little (one warp 1.32x the fan-out forward's time on dsv3, two 1.23x; one
-// TMA load per row is slower still), so four warps (1.16x, timed interleaved with the
-// fan-out), and the fan-out stays the default.
-inline constexpr int kGatherWarps = 4;
-inline constexpr int kGatherFullArrivals = 1 + 32 * kGatherWarps;
-// NOTE: setmaxnreg only moves registers inside the CTA's launch allocation (168 x 384 = 64512):
-// with 48 producer registers the consumers' increase to 232 waited forever (the fused kernel
-// hung). The gathering producer fits the TMA producer's 40.
-static_assert(Cfg::kProducerRegs * gemm::kWarpGroupThreads + Cfg::kConsumerRegs * Cfg::kConsumerThreads <=
-                  168 * FusedCta::kThreads,
-              "setmaxnreg cannot exceed the CTA's launch allocation");
-
-// The source row of each A row of the current tile (behind SharedStorage in the fused
-// kernel's shared memory): x[token] (own rank), recv[src * T + token] (other ranks), and for
-// padding rows x[0] (any valid row: padding rows' outputs are stored as zeros, and rows of a
-// GEMM never mix).
-struct GatherTable {
-  const char* src[gemm::kRowTileRows];
-};
-static_assert(sizeof(GatherTable) == FusedCta::kGatherTableBytes, "gather table size");
-static_assert(sizeof(gemm::SharedStorage<Cfg>) + 1023 + sizeof(GatherTable) <= FusedCta::kSmemBytes,
-              "shared storage + gather table exceed the allocation");
-
-__device__ inline void gather_fill_sources(const GatherParams& g, int64_t row0, GatherTable& table, int row_begin,
-                                           int rows, int lane) {
-  for (int j = row_begin + lane; j < row_begin + rows; j += 32) {
-    const comm::RowEntry e = g.rows[row0 + j];
-    const char* src = g.own_x;
-    if (e.src_rank == g.rank) {
-      src = g.own_x + e.token * g.row_bytes;
-    } else if (e.src_rank >= 0) {
-      src = g.recv + comm::recv_row(e.src_rank, e.token, g.tokens) * g.row_bytes;
-    }
-    table.src[j] = src;
-  }
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const char* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-// Lane l copies chunk l % 8 (16 B of the stage's 64 columns) of rows 4i + l / 8, i = 0..31:
-// each instruction of the warp reads 4 whole 128-byte row segments. Destination: row * 128 +
-// ((chunk ^ row % 8) * 16), the SW128 K-major layout (Layout_K_SW128_Atom, TMA SWIZZLE_128B);
-// row % 8 is l / 8 for even i and l / 8 + 4 for odd i, so two base addresses serve all rows.
-// Rows 4i + l / 8 for i in [i_begin, i_end) (even bounds).
-__device__ inline void gather_a_stage(const GatherTable& table, uint8_t* a, int k, uint64_t* full, int lane,
-                                      int i_begin, int i_end) {
-  const uint32_t a_saddr = static_cast<uint32_t>(__cvta_generic_to_shared(a));
-  const int chunk = lane & 7, q = lane >> 3;
-  const int64_t col = static_cast<int64_t>(k) * 128 + chunk * 16;
-  const uint32_t even = a_saddr + q * 128 + ((chunk ^ q) << 4);
-  const uint32_t odd = a_saddr + (q + 4) * 128 + ((chunk ^ (q + 4)) << 4);
-  const char* const* src = table.src + q;
-  // NOTE: not unrolled: unrolled 4x the 40-register producer spills, and it measured no faster
-  // (bench/results/2026-11-30-forward-v17-*).
-#pragma unroll 1
-  for (int i = i_begin; i < i_end; i += 2) {
-    cp_async_16(even + i * 512, src[4 * i] + col);
-    cp_async_16(odd + i * 512, src[4 * i + 4] + col);
-  }
-  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-// Warp w (of kGatherWarps) owns tile rows [32w, 32w + 32): its part of the row table and of
-// every gathered stage. Each warp waits for the inputs and the free stage itself.
-__device__ void gemm_producer_gather(const FusedForwardParams& p, const TaskList& list, gemm::SharedStorage<Cfg>& ss,
-                                     GatherTable& table, int cta, int ctas) {
-  constexpr int kRows = gemm::kRowTileRows / kGatherWarps;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int row_begin = warp * kRows;
-  gemm::PipeState<Cfg::kStages> st;
-  st.phase = 1;  // fresh empty barriers count as released
-  const int n = list.size();
-  for (int i = cta; i < n; i += ctas) {
-    const Task t = list.at(i);
-    const TaskSlot slot = task_slot(p, t);
-    const gemm::RowTile& tile = slot.tile;
-    MOK_FWD_TRACE(const int j = (i - cta) / ctas;
-                  if (threadIdx.x == 0) trace::task_stamp(p.trace, cta, j, trace::kTaskWaitBegin);)
-    if (lane == 0) wait_for_inputs(p, t);
-    MOK_FWD_TRACE(if (threadIdx.x == 0) {
-      trace::task_stamp(p.trace, cta, j, trace::kTaskWaitEnd);
-      trace::task_desc(p.trace, cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile, t.row_tile, tile.real_rows);
-    })
-    __syncwarp();  // NOTE: lane 0's acquire orders the other lanes' row reads after it
-    const bool g1 = is_gemm1(t.kind);
-    const int k_steps = slot.k_steps;
-    const bool gather = t.kind == TaskKind::kGemm1 && k_steps > 0;
-    if (gather) {
-      gather_fill_sources(p.gather, tile.row0, table, row_begin, kRows, lane);
-      __syncwarp();
-    }
-    for (int k = 0; k < max(k_steps, 1); ++k) {  // a task without K steps: one stage without loads
-      int ok = 1;
-      if (lane == 0) ok = gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.routed1.err);
-      if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;
-      uint64_t* full = &ss.bars.full[st.index];
-      if (threadIdx.x == 0 && k == 0) task_slots(ss)[st.index] = slot;  // before thread 0's arrive
-      if (k_steps == 0) {
-        cutlass::arch::ClusterBarrier::arrive(full);
-        if (threadIdx.x == 0) cutlass::arch::ClusterBarrier::arrive(full);  // in place of the expect_tx arrival
-      } else if (threadIdx.x == 0) {
-        if (gather) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kBBytes);
-          G1Kind::load_b(p.routed1, tile, k, ss.b[st.index], full, 0);
-        } else {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Cfg::kStageBytes);
-          if (g1) G1Kind::load_stage(gemm1_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
-          else G2Kind::load_stage(gemm2_params(p, t.kind), tile, k, ss.a[st.index], ss.b[st.index], full, 0);
-        }
-      }
-      if (k_steps == 0) {
-        // arrived above
-      } else if (gather) {
-        gather_a_stage(table, ss.a[st.index], k, full, lane, row_begin / 4, (row_begin + kRows) / 4);
-      } else {
-        cutlass::arch::ClusterBarrier::arrive(full);
-      }
-      st.advance();
-    }
-    __syncwarp();  // every lane read the table before the next tile rewrites it
-  }
-  // The end slot: thread 0 writes it and arrives once more (its expect_tx arrival), every
-  // producer thread arrives: kGatherFullArrivals.
-  int ok = 1;
-  if (lane == 0) ok = gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.routed1.err);
-  if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;
-  if (threadIdx.x == 0) send_end_of_tasks(ss, st, p.routed1.err, true, true);
-  send_end_of_tasks(ss, st, p.routed1.err, false, true);
-}
-
 // ---- consumers ------------------------------------------------------------------------------
 
 // Completion of a tile is published lazily, so that a consumer warpgroup does not stall on
@@ -498,7 +335,6 @@ __device__ __forceinline__ void bulk_wait_all_but() {
 
 struct PendingTile {
   uint32_t* counter = nullptr;
-  bool sys = false;  // release at system scope (EpiloguePush::sys_release, a developer knob)
 
   // The stores of the pending tile have landed (caller waited): +1 on its counter.
   __device__ void release() {
@@ -506,11 +342,7 @@ struct PendingTile {
     // NOTE: async-proxy (TMA) writes -> generic release; readers acquire, then fence again
     // before their own TMA loads (wait_for_inputs) or read with ld.global.cg (combine).
     fence_proxy_async_global();
-    if (sys) {
-      comm::fetch_add_release<comm::Scope::kSystem>(counter, 1u);
-    } else {
-      comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
-    }
+    comm::fetch_add_release<comm::Scope::kGpu>(counter, 1u);
     counter = nullptr;
   }
 };
@@ -553,13 +385,12 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
   // task back (warp 0 carries it); then `fresh` becomes `pending`.
   PendingTile pending;
   uint32_t* fresh = nullptr;
-  bool has_fresh = false, fresh_g1 = false, fresh_sys = false;
+  bool has_fresh = false, fresh_g1 = false;
   auto publish_all = [&] {  // thread 0: both tiles, after every store landed
     gemm::tma_store_wait_all_complete();
     pending.release();
     if (has_fresh) {
       pending.counter = fresh;
-      pending.sys = fresh_sys;
       pending.release();
       has_fresh = false;
     }
@@ -588,7 +419,6 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       gemm::release_stage(ss, st.index, ctx.tid);
       st.advance();
     }
-    const bool gathered = p.gather.on && t.kind == TaskKind::kGemm1;
     const bool push = p.push.on && t.kind == TaskKind::kGemm2;
     // (loaded before the K loop; the task's global row tile names the rows' entries)
     const char* push_dst = push ? push_row_dst(p.push, t.row_tile * gemm::kRowTileRows, tile.real_rows, ctx) : nullptr;
@@ -602,11 +432,10 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
           pending.release();
         }
         pending.counter = fresh;
-        pending.sys = fresh_sys;
         has_fresh = false;
       }
     };
-    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, gathered, -1,
+    if (!gemm::mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p1.err, ctx.tid, -1,
                                  during_k_loop)) {
       break;
     }
@@ -618,7 +447,7 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
                            t.row_tile >= list.routed_row_tiles - p.ring_tiles;
       G1Kind::epilogue(p1, tile, ctx, acc, keep_gu);
     } else if (push) {
-      gemm2_epilogue_push(p2, tile, ctx, push_dst, p.push.store_out, acc);
+      gemm2_epilogue_push(p2, tile, ctx, push_dst, p.push.store_out(), acc);
     } else {
       G2Kind::epilogue(p2, tile, ctx, acc);
     }
@@ -627,7 +456,6 @@ __device__ inline void gemm_consumer(const FusedForwardParams& p, const TaskList
       fresh = done_counter(p, t);
       has_fresh = true;
       fresh_g1 = g1;
-      fresh_sys = push && p.push.sys_release;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }

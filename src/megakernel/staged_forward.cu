@@ -138,11 +138,10 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
     MOK_CUDA_CHECK(cudaMemcpyAsync(b.shared_x.get(), args.x, s.tokens * s.hidden * sizeof(bf16),
                                    cudaMemcpyDeviceToDevice, stream));
   }
-  state.dispatch(o.dispatch_ctas, o.dedup, stream);
+  state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
   run_expert_gemms(s, b, w, state.row_buffer(), o, stream);
-  state.combine(b.expert_out.get(), o.combine_ctas, o.own_rows_in_place, stream);
-  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
-                 o.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
+  state.combine(b.expert_out.get(), o.combine_ctas, /*own_rows_in_place=*/true, stream);
+  state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, b.expert_out.get(), args.y, stream);
   poison_y_on_error(state, args.y, stream);
 }
 

@@ -46,15 +46,14 @@ struct ForwardBuffers {
 struct StagedForwardOptions {
   int dispatch_ctas = 16;
   int combine_ctas = 16;
-  bool dedup = true;    // read a token once per rank, fan it out to its rows (bitwise the same rows)
-  bool own_rows_in_place = true;  // combine moves only other ranks' rows; the epilogue reads own ones in place
   int gemm_grid = 0;    // persistent GEMM CTAs; 0 = every SM
   double timeout_s = 10.0;
 };
 
-// One forward pass on `stream` after mok::schedule(). Writes y; g, u (and shared g, u), the
-// expert outputs and the combine slots (other ranks' rows; with own_rows_in_place the own rank's
-// (t, k) rows are the expert_out rows dest_row names) stay in the buffers as the saved context.
+// One forward pass on `stream` after mok::schedule(): dedup dispatch, the expert GEMMs, the
+// in-place combine (only other ranks' rows move), the top-k sum. Writes y; g, u (and shared g,
+// u), the expert outputs and the combine slots (other ranks' rows; the own rank's (t, k) rows are
+// the expert_out rows dest_row names) stay in the buffers as the saved context.
 void staged_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
                     const ExpertWeights& weights, const StagedForwardOptions& options, cudaStream_t stream);
 

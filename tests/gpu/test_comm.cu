@@ -2,8 +2,9 @@
 // GPU schedule bitwise equal to mok::ref::make_schedule, dispatch / combine / epilogue bitwise
 // equal to the bytes the reference schedule predicts, for every comm-CTA count and dispatch
 // mode (knob invariance), repeated runs identical. EP=n cases skip with fewer than n GPUs.
-// CommEngines: every copy engine (CopyEngine: hybrid, bulk, bulk dedup fan-out, the kWarp CTA split and dedup fan-out) and CTA count
-// gives the same bytes, and the ready counters end at exactly the tiles of each minibatch.
+// CommCtaCounts: the plain pull and the dedup fan-out dispatch and the all-slots combine at
+// many CTA counts give the same bytes, and the ready counters end at exactly the tiles of each
+// minibatch.
 #include <atomic>
 
 #include "comm/roles.hpp"
@@ -83,46 +84,29 @@ INSTANTIATE_TEST_SUITE_P(Ep2, CommPipeline, ::testing::ValuesIn(cases(2)), case_
 INSTANTIATE_TEST_SUITE_P(Ep4, CommPipeline, ::testing::ValuesIn(cases(4)), case_name);
 INSTANTIATE_TEST_SUITE_P(Ep8, CommPipeline, ::testing::ValuesIn(cases(8)), case_name);
 
-// ---- copy engines --------------------------------------------------------------------------------
-struct EngineVariant {
-  comm::CopyEngine engine;
+// ---- CTA counts ----------------------------------------------------------------------------------
+struct CopyVariant {
   bool dedup;
   int ctas;
-  int remote_ctas = 0;  // kWarp CTA split (role.remote_ctas): 0 off, comm::kRemoteCtasAuto, or R
 };
-const std::vector<EngineVariant>& engine_dispatch_variants() {
-  using E = comm::CopyEngine;
-  static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
-                                            {E::kBulk, false, 1},    {E::kBulk, true, 16},    {E::kBulk, true, 5},
-                                            {E::kHybrid, true, 7},
-                                            // kWarp dedup fan-out, unsplit and split
-                                            {E::kWarp, true, 16, 0}, {E::kWarp, true, 1, 0}, {E::kWarp, true, 7, 3},
-                                            {E::kWarp, true, 2, comm::kRemoteCtasAuto}, {E::kWarp, true, 24, 16},
-                                            // kWarp CTA split: remote rows on CTAs [0, R), own rows and padding on the rest
-                                            {E::kWarp, false, 16, 5},  {E::kWarp, false, 3, 1},
-                                            {E::kWarp, false, 2, comm::kRemoteCtasAuto}, {E::kWarp, false, 7, 6}};
+const std::vector<CopyVariant>& dispatch_variants() {
+  static const std::vector<CopyVariant> v{{true, 16}, {true, 1}, {true, 7}, {true, 2}, {true, 24},
+                                          {false, 16}, {false, 3}, {false, 2}, {false, 7}};
   return v;
 }
-const std::vector<EngineVariant>& engine_combine_variants() {
-  using E = comm::CopyEngine;
-  static const std::vector<EngineVariant> v{{E::kHybrid, false, 16}, {E::kHybrid, false, 3}, {E::kBulk, false, 16},
-                                            {E::kBulk, false, 1},
-                                            {E::kWarp, false, 16, 0},  {E::kWarp, false, 16, 5},
-                                            {E::kWarp, false, 3, 1},   {E::kWarp, false, 7, comm::kRemoteCtasAuto},
-                                            {E::kWarp, false, 2, 1}};
+const std::vector<CopyVariant>& combine_variants() {
+  static const std::vector<CopyVariant> v{{false, 16}, {false, 3}, {false, 7}, {false, 2}};
   return v;
 }
-std::string engine_name(const EngineVariant& v) {
-  return std::string(v.engine == comm::CopyEngine::kBulk ? "bulk" : v.engine == comm::CopyEngine::kHybrid ? "hybrid" : "warp") +
-         (v.dedup ? "+dedup" : "") + " ctas " + std::to_string(v.ctas) +
-         (v.remote_ctas != 0 ? " remote_ctas " + std::to_string(v.remote_ctas) : "");
+std::string variant_name(const CopyVariant& v) {
+  return std::string(v.dedup ? "dedup" : "plain") + " ctas " + std::to_string(v.ctas);
 }
 
-// An engine that timed out once is not launched again (every launch would cost a full timeout);
-// the ranks decide together after a host barrier.
-std::atomic<bool> g_engine_broken[3];
+// Once a launch timed out no other is made (every launch would cost a full timeout); the ranks
+// decide together after a host barrier.
+std::atomic<bool> g_copy_broken{false};
 
-struct EngineOutputs {
+struct CopyOutputs {
   comm::ScheduleHeader header{};
   std::vector<comm::RowEntry> rows;
   std::vector<std::vector<uint16_t>> dispatched;  // per dispatch variant (empty: not run)
@@ -130,23 +114,16 @@ struct EngineOutputs {
   std::vector<std::vector<uint16_t>> slots;       // per combine variant
   std::vector<std::string> errors;                // device errors, "variant: message"
   std::vector<bool> dispatch_skipped, combine_skipped;  // simulated ranks: the variant's CTAs do not fit
-  // Token-major dispatch, per CTA count of kLandCtas: the receive buffer [ep * T, H] (poisoned
-  // first) and the ready counters; the schedule's landing list and per-minibatch targets.
-  std::vector<std::vector<uint16_t>> landed;
-  std::vector<std::vector<uint32_t>> land_ready;
-  std::vector<int32_t> land_rows, mb_land;
-  int32_t land_count = -1;
 };
-constexpr int kLandCtas[] = {1, 3, 16};
 
-EngineOutputs run_engines(const CommCase& c, const RankInputs& in, const bootstrap::LocalRank& lr,
+CopyOutputs run_variants(const CommCase& c, const RankInputs& in, const bootstrap::LocalRank& lr,
                           const std::function<void()>& sync_ranks) {
   const LayerShape& s = c.shape;
   auto ws = create_workspace(s, c.config, lr);
   comm::CommState& st = *ws->impl().state;
   const comm::ScheduleBuffers& sb = st.schedule_buffers();
   const cudaStream_t stream = rank_stream();
-  EngineOutputs out;
+  CopyOutputs out;
   auto d_topk = upload(in.topk);
   auto d_x = upload(in.x);
   auto d_out = upload(in.expert_out);
@@ -156,61 +133,43 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, const bootstr
   MOK_CUDA_CHECK(cudaMemcpy(&out.header, sb.header.get(), sizeof(out.header), cudaMemcpyDeviceToHost));
   out.rows = download(sb.rows.get(), sb.rows.size());
   const int64_t padded = std::max<int64_t>(out.header.padded_rows, 0);
-  auto failed = [&](const EngineVariant& v) {
+  auto failed = [&](const CopyVariant& v) {
     std::optional<Error> err = st.take_error(stream);
     if (err) {
-      out.errors.push_back(engine_name(v) + ": " + err->what());
-      g_engine_broken[static_cast<int>(v.engine)] = true;
+      out.errors.push_back(variant_name(v) + ": " + err->what());
+      g_copy_broken = true;
     }
     sync_ranks();  // every rank sees the same broken flags before the next launch
   };
   // Simulated ranks share one GPU: a variant whose ep * ctas CTAs cannot all be resident
   // would wait at its group barrier for CTAs that never start. Not run then.
   const int fit = lr.comm == nullptr ? simulated_ctas_per_rank(s.ep) : 0;
-  auto does_not_fit = [&](const EngineVariant& v) { return lr.comm == nullptr && v.ctas > fit; };
+  auto does_not_fit = [&](const CopyVariant& v) { return lr.comm == nullptr && v.ctas > fit; };
   st.stage_x(reinterpret_cast<const __nv_bfloat16*>(d_x.get()), stream);
-  for (const EngineVariant& v : engine_dispatch_variants()) {
+  for (const CopyVariant& v : dispatch_variants()) {
     out.dispatch_skipped.push_back(does_not_fit(v));
-    if (out.dispatch_skipped.back() || g_engine_broken[static_cast<int>(v.engine)]) {
+    if (out.dispatch_skipped.back() || g_copy_broken) {
       out.dispatched.emplace_back();
       out.ready.emplace_back();
       continue;
     }
     MOK_CUDA_CHECK(cudaMemsetAsync(st.row_buffer(), 0xFF, sb.buffer_rows * s.hidden * 2, stream));
-    comm::DispatchLaunch l = st.dispatch_launch(v.ctas, v.dedup);
-    l.role.engine = v.engine;
-    l.role.remote_ctas = v.remote_ctas;
-    comm::launch_dispatch(l, stream);
+    st.dispatch(v.ctas, v.dedup, stream);
     failed(v);
     out.dispatched.push_back(download(reinterpret_cast<const uint16_t*>(st.row_buffer()), padded * s.hidden));
     out.ready.push_back(download(st.ready_counters(), sb.max_minibatches));
   }
-  const size_t recv_elems = static_cast<size_t>(s.ep) * s.tokens * s.hidden;
-  for (int ctas : kLandCtas) {
-    MOK_CUDA_CHECK(cudaMemsetAsync(st.recv_buffer(), 0xFF, recv_elems * 2, stream));
-    st.dispatch_token_major(ctas, stream);
-    if (std::optional<Error> err = st.take_error(stream)) out.errors.push_back("token-major: " + std::string(err->what()));
-    sync_ranks();
-    out.landed.push_back(download(reinterpret_cast<const uint16_t*>(st.recv_buffer()), recv_elems));
-    out.land_ready.push_back(download(st.ready_counters(), sb.max_minibatches));
-  }
-  MOK_CUDA_CHECK(cudaMemcpy(&out.land_count, sb.land_count.get(), sizeof(int32_t), cudaMemcpyDeviceToHost));
-  out.land_rows = download(sb.land_rows.get(), std::max<int32_t>(out.land_count, 0));
-  out.mb_land = download(sb.mb_land.get(), sb.max_minibatches);
   const size_t slot_elems = static_cast<size_t>(s.tokens) * s.topk * s.hidden;
-  for (const EngineVariant& v : engine_combine_variants()) {
+  for (const CopyVariant& v : combine_variants()) {
     out.combine_skipped.push_back(does_not_fit(v));
-    if (out.combine_skipped.back() || g_engine_broken[static_cast<int>(v.engine)]) {
+    if (out.combine_skipped.back() || g_copy_broken) {
       out.slots.emplace_back();
       continue;
     }
     MOK_CUDA_CHECK(cudaMemsetAsync(st.window_local() + st.layout().slots, 0xFF, slot_elems * 2, stream));
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
-    comm::CombineLaunch l = st.combine_launch(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), v.ctas, false);
-    l.role.engine = v.engine;
-    l.role.remote_ctas = v.remote_ctas;
-    comm::launch_combine(l, stream);
+    st.combine(reinterpret_cast<const __nv_bfloat16*>(d_out.get()), v.ctas, /*own_rows_in_place=*/false, stream);
     failed(v);
     out.slots.push_back(download(reinterpret_cast<const uint16_t*>(st.slots()), slot_elems));
   }
@@ -220,12 +179,11 @@ EngineOutputs run_engines(const CommCase& c, const RankInputs& in, const bootstr
   return out;
 }
 
-std::vector<CommCase> engine_cases(int ep) {
+std::vector<CommCase> cta_count_cases(int ep) {
   std::vector<CommCase> v = routing_cases(ep);
   v.push_back(make_case("TopK32FanOutOfAWholeWarp", ep, 130, 128, 32, 32, Pattern::kUniform, 12));
   v.push_back(make_case("OneToken", ep, 1, 64, 4, 2, Pattern::kUniform, 9));
-  // 18432-byte rows: two bulk chunks per row (BulkConfig::kMaxChunk is 16384).
-  v.push_back(make_case("RowsWiderThanABulkChunk", ep, 160, 9216, 4, 2, Pattern::kUniform, 13));
+  v.push_back(make_case("WideRows", ep, 160, 9216, 4, 2, Pattern::kUniform, 13));
   CommCase mb = make_case("Minibatch128", ep, 512, 128, 4, 2, Pattern::kUniform, 11);
   mb.config.minibatch = 128;
   v.push_back(mb);
@@ -233,9 +191,9 @@ std::vector<CommCase> engine_cases(int ep) {
   return v;
 }
 
-class CommEngines : public ::testing::TestWithParam<CommCase> {};
+class CommCtaCounts : public ::testing::TestWithParam<CommCase> {};
 
-TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
+TEST_P(CommCtaCounts, EveryCountGivesTheReferenceBytes) {
   const CommCase& c = GetParam();
   const int ep = c.shape.ep;
   MOK_REQUIRE_RANKS(ep);
@@ -245,15 +203,15 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
   const ref::Schedule ref = ref::make_schedule(s, c.config, routing);
   std::vector<RankInputs> in(ep);
   for (int r = 0; r < ep; ++r) in[r] = make_inputs(c, routing, r);
-  std::vector<EngineOutputs> out(ep);
+  std::vector<CopyOutputs> out(ep);
   RankPool& pool = RankPool::get(ep);
   pool.run([&](bootstrap::LocalRank& lr) {
-    out[lr.rank] = run_engines(c, in[lr.rank], lr, [&] { pool.barrier(); });
+    out[lr.rank] = run_variants(c, in[lr.rank], lr, [&] { pool.barrier(); });
   });
   const int64_t mb = c.config.effective_minibatch(s);
   for (int r = 0; r < ep; ++r) {
     const ref::RankSchedule& rs = ref.ranks[r];
-    const EngineOutputs& o = out[r];
+    const CopyOutputs& o = out[r];
     const std::string who = c.name + " rank " + std::to_string(r);
     for (const std::string& e : o.errors) ADD_FAILURE() << who << ": " << e;
     ASSERT_EQ(o.header.padded_rows, rs.padded_rows) << who;
@@ -263,13 +221,13 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
       if (!row.is_padding()) std::memcpy(&want[i * H], &in[row.src_rank].x[row.token * H], H * 2);
     }
     for (size_t v = 0; v < o.dispatched.size(); ++v) {
-      const std::string name = engine_name(engine_dispatch_variants()[v]);
+      const std::string name = variant_name(dispatch_variants()[v]);
       if (o.dispatch_skipped[v]) {
         if (r == 0) std::printf("[ SIMULATED] dispatch %s not run: %d ranks x its CTAs do not fit on one GPU\n", name.c_str(), ep);
         continue;
       }
       if (o.dispatched[v].empty() && rs.padded_rows > 0) {
-        ADD_FAILURE() << who << ": dispatch " << name << " not run (the engine failed earlier)";
+        ADD_FAILURE() << who << ": dispatch " << name << " not run (a launch failed earlier)";
         continue;
       }
       const int64_t bad = first_mismatch(o.dispatched[v], want);
@@ -281,47 +239,19 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
             << who << ": dispatch " << name << " ready[" << m << "]";
       }
     }
-    // Token-major: the first row of each other rank's token (reference order) is one landing
-    // entry; its token row lands at src * T + token; every other receive row stays poisoned.
-    std::vector<int32_t> want_land;
-    std::vector<uint32_t> want_mb(o.mb_land.size(), 0);
-    std::vector<uint16_t> want_recv(static_cast<size_t>(ep) * s.tokens * H, 0xFFFF);
-    std::vector<char> seen(static_cast<size_t>(ep) * s.tokens, 0);
-    for (int64_t i = 0; i < rs.padded_rows; ++i) {
-      const ref::RowRef& row = rs.rows[i];
-      if (row.is_padding() || row.src_rank == r) continue;
-      const int64_t slot = row.src_rank * s.tokens + row.token;
-      if (seen[slot]) continue;
-      seen[slot] = 1;
-      want_land.push_back(static_cast<int32_t>(i));
-      if (static_cast<size_t>(i / mb) < want_mb.size()) ++want_mb[i / mb];
-      std::memcpy(&want_recv[slot * H], &in[row.src_rank].x[row.token * H], H * 2);
-    }
-    EXPECT_EQ(o.land_rows, want_land) << who << ": landing list";
-    for (size_t m = 0; m < want_mb.size(); ++m) {
-      EXPECT_EQ(static_cast<uint32_t>(o.mb_land[m]), want_mb[m]) << who << ": mb_land[" << m << "]";
-    }
-    for (size_t v = 0; v < o.landed.size(); ++v) {
-      const int64_t bad = first_mismatch(o.landed[v], want_recv);
-      EXPECT_EQ(bad, -1) << who << ": token-major dispatch, " << kLandCtas[v] << " CTAs, first mismatch at recv row "
-                         << bad / H << " col " << bad % H;
-      for (size_t m = 0; m < want_mb.size(); ++m) {
-        EXPECT_EQ(o.land_ready[v][m], want_mb[m]) << who << ": token-major ready[" << m << "], " << kLandCtas[v] << " CTAs";
-      }
-    }
     std::vector<uint16_t> slots(s.tokens * s.topk * H);
     for (int64_t j = 0; j < s.tokens * s.topk; ++j) {
       const int owner = s.owner_rank(in[r].topk[j]);
       std::memcpy(&slots[j * H], &in[owner].expert_out[ref.dest_row[r][j] * H], H * 2);
     }
     for (size_t v = 0; v < o.slots.size(); ++v) {
-      const std::string name = engine_name(engine_combine_variants()[v]);
+      const std::string name = variant_name(combine_variants()[v]);
       if (o.combine_skipped[v]) {
         if (r == 0) std::printf("[ SIMULATED] combine %s not run: %d ranks x its CTAs do not fit on one GPU\n", name.c_str(), ep);
         continue;
       }
       if (o.slots[v].empty()) {
-        ADD_FAILURE() << who << ": combine " << name << " not run (the engine failed earlier)";
+        ADD_FAILURE() << who << ": combine " << name << " not run (a launch failed earlier)";
         continue;
       }
       const int64_t bad = first_mismatch(o.slots[v], slots);
@@ -330,9 +260,9 @@ TEST_P(CommEngines, EveryEngineGivesTheReferenceBytes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ep1, CommEngines, ::testing::ValuesIn(engine_cases(1)), case_name);
-INSTANTIATE_TEST_SUITE_P(Ep2, CommEngines, ::testing::ValuesIn(engine_cases(2)), case_name);
-INSTANTIATE_TEST_SUITE_P(Ep8, CommEngines, ::testing::ValuesIn(engine_cases(8)), case_name);
+INSTANTIATE_TEST_SUITE_P(Ep1, CommCtaCounts, ::testing::ValuesIn(cta_count_cases(1)), case_name);
+INSTANTIATE_TEST_SUITE_P(Ep2, CommCtaCounts, ::testing::ValuesIn(cta_count_cases(2)), case_name);
+INSTANTIATE_TEST_SUITE_P(Ep8, CommCtaCounts, ::testing::ValuesIn(cta_count_cases(8)), case_name);
 
 }  // namespace
 }  // namespace mok::test

@@ -320,34 +320,18 @@ struct PassBits {
   std::vector<uint16_t> y, g, u, shared_g, shared_u;
   int64_t padded_rows = 0;
   std::vector<int64_t> resident;  // per routed row tile: its row tile in g, u, or -1 (megakernel::resident_tile)
-  std::vector<uint16_t> slots;  // [T * K, H]: every (t, k) row, when no row is read in place (kPlain, kPushAll)
+  std::vector<uint16_t> slots;  // [T * K, H]: every (t, k) row, when no row is read in place (the ring)
 };
 
-// Copy modes of the forward (all give the same bits):
-//   kDefault     dedup fan-out dispatch into the row buffer, in-place combine
-//   kPlain       plain pull into the row buffer, every slot filled
-//   kTokenMajor  fused only: token-major dispatch, GEMM 1 gathering its rows, in-place combine
-//   kHelpAll     fused only: every CTA (the GEMM CTAs' consumer warps too) dispatches every tile
-//   kFusedSum    fused only: the top-k sum inside the fused kernel (FusedForwardOptions::fused_topk_sum)
-//   kNoJoin      fused only: no comm CTA takes GEMM tasks (FusedForwardOptions::join_gemm = 0; the
-//                default joins them all at EP 1)
-//   kJoinMost    fused only: every comm CTA but one takes GEMM tasks after its dispatch share
-//   kRoundRobin  fused only: tasks round-robin over the GEMM CTAs (FusedForwardOptions::task_counter = 0)
-//   kPush        fused only: GEMM 2's epilogues push the combine's rows (FusedForwardOptions::epilogue_push)
-//   kPushAll     fused only: the same with the own rows pushed too (own rows not read in place): at EP 1
-//                every row goes through the push, and expert_out is not written (the slots are the
-//                saved context)
-//   kPushSum     fused only: kPush with the fused top-k sum (a comm CTA counts the pushed rows per token)
-//   kPushAllSum  fused only: kPushAll with the fused top-k sum (at EP 1 too, every row is counted)
-//   kRingOne     with the macrobatch ring: one comm CTA dispatches past the first ring window
-//                (FusedForwardOptions::ring_comm_ctas = 1; the others join after it)
+// The fused forward's undecided choices (FusedForwardOptions; all give the same bits):
+//   kDefault     the defaults
+//   kFusedSum    the top-k sum inside the fused kernel (fused_topk_sum)
+//   kNoJoin      no comm CTA takes GEMM tasks (join_gemm = 0; the default joins them all at EP 1)
+//   kJoinMost    every comm CTA but one takes GEMM tasks after its dispatch share
+//   kPush        GEMM 2's epilogues push the combine's rows (epilogue_push)
+//   kPushSum     kPush with the fused top-k sum (a comm CTA counts the pushed rows per token)
 //   kRingSum     with the macrobatch ring: the fused top-k sum (every row pushed and counted)
-//   kGlobalRaster fused only: routed raster groups of global row tiles (FusedForwardOptions::expert_raster = 0;
-//                the default aligns them to experts)
-enum class CopyModes {
-  kDefault, kPlain, kTokenMajor, kHelpAll, kFusedSum, kNoJoin, kJoinMost, kRoundRobin, kPush, kPushAll, kPushSum,
-  kPushAllSum, kRingOne, kRingSum, kGlobalRaster
-};
+enum class CopyModes { kDefault, kFusedSum, kNoJoin, kJoinMost, kPush, kPushSum, kRingSum };
 
 std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
                                CopyModes modes = CopyModes::kDefault) {
@@ -357,25 +341,17 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = path;
-    ws->impl().dispatch_dedup = modes != CopyModes::kPlain;
-    const bool push_all = modes == CopyModes::kPushAll || modes == CopyModes::kPushAllSum;
-    ws->impl().combine_in_place = modes != CopyModes::kPlain && !push_all;
-    if (push_all || modes == CopyModes::kPush || modes == CopyModes::kPushSum) ws->impl().epilogue_push = 1;
-    ws->impl().dispatch_token_major = modes == CopyModes::kTokenMajor;
-    if (modes == CopyModes::kHelpAll) ws->impl().dispatch_help_rows = int64_t{1} << 40;  // else the default (automatic)
-    ws->impl().fused_topk_sum = modes == CopyModes::kFusedSum || modes == CopyModes::kPushSum ||
-                                modes == CopyModes::kPushAllSum || modes == CopyModes::kRingSum;
-    if (modes == CopyModes::kNoJoin) ws->impl().join_gemm = 0;
-    if (modes == CopyModes::kRoundRobin) ws->impl().task_counter = 0;
-    if (modes == CopyModes::kJoinMost) ws->impl().join_gemm = ws->config().effective_comm_sms_forward(s) - 1;
-    if (modes == CopyModes::kRingOne) ws->impl().ring_comm_ctas = 1;
-    if (modes == CopyModes::kGlobalRaster) ws->impl().expert_raster = 0;
+    megakernel::FusedForwardOptions& fo = ws->impl().fused;
+    if (modes == CopyModes::kPush || modes == CopyModes::kPushSum) fo.epilogue_push = 1;
+    fo.fused_topk_sum = modes == CopyModes::kFusedSum || modes == CopyModes::kPushSum || modes == CopyModes::kRingSum;
+    if (modes == CopyModes::kNoJoin) fo.join_gemm = 0;
+    if (modes == CopyModes::kJoinMost) fo.join_gemm = ws->config().effective_comm_sms_forward(s) - 1;
     megakernel::ForwardBuffers& fb = *ws->impl().forward;
     for (auto* b : {&fb.g, &fb.u, &fb.shared_g, &fb.shared_u}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), rank_stream()));  // unwritten context cannot pass
     }
     MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), rank_stream()));
-    const bool all_slots = !ws->impl().combine_in_place;
+    const bool all_slots = fb.ring();  // every row pushed into its slot
     const size_t slot_elems = size_t(s.tokens) * s.topk * s.hidden;
     // NOTE: peers write into these slots only after this rank's kernel (after the memset, same
     // stream) opened the pass's first barrier.
@@ -418,55 +394,25 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   cfg.minibatch = 128;  // many minibatches: GEMM2 of one overlaps GEMM1 of the next
   const auto staged = run_path(p, cfg, megakernel::ForwardPath::kStaged);
   const auto fused = run_path(p, cfg, megakernel::ForwardPath::kFused);
-  // The plain pull dispatch and the all-slots combine (the copy modes off), and the fan-out
-  // token-major dispatch with GEMM 1 gathering its rows, give the same bits.
-  const auto fused_plain = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPlain);
-  const auto fused_gather = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kTokenMajor);
-  const auto fused_help = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kHelpAll);
   const auto fused_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFusedSum);
   const auto fused_no_join = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kNoJoin);
   const auto fused_join_most = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kJoinMost);
-  const auto fused_round_robin = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kRoundRobin);
   const auto fused_push = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPush);
-  const auto fused_push_all = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAll);
   const auto fused_push_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushSum);
-  const auto fused_push_all_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushAllSum);
-  // Raster groups aligned to experts (the default) or of global row tiles: with minibatches of
-  // 8 row tiles (with 128-row minibatches both orders are the same) groups span experts.
+  // Raster groups aligned to experts: with minibatches of 8 row tiles groups would span experts.
   Config wide_mb = cfg;
   wide_mb.minibatch = 8 * kRowTile;
-  const auto fused_aligned = run_path(p, wide_mb, megakernel::ForwardPath::kFused);
-  const auto fused_global = run_path(p, wide_mb, megakernel::ForwardPath::kFused, CopyModes::kGlobalRaster);
+  const auto fused_wide = run_path(p, wide_mb, megakernel::ForwardPath::kFused);
   for (int r = 0; r < ep; ++r) {
-    EXPECT_TRUE(same_bits(fused_aligned[r].y, staged[r].y)) << c.name << " rank " << r << ": y, 8-tile minibatches";
-    EXPECT_TRUE(same_bits(fused_global[r].y, staged[r].y)) << c.name << " rank " << r << ": y, global raster groups";
-    EXPECT_TRUE(same_bits(fused_global[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g, global raster groups";
+    EXPECT_TRUE(same_bits(fused_wide[r].y, staged[r].y)) << c.name << " rank " << r << ": y, 8-tile minibatches";
+    EXPECT_TRUE(same_bits(fused_wide[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g, 8-tile minibatches";
     EXPECT_TRUE(same_bits(fused_push_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, push + fused sum";
-    EXPECT_TRUE(same_bits(fused_push_all_sum[r].y, fused[r].y))
-        << c.name << " rank " << r << ": y, push of every row + fused sum";
-    EXPECT_TRUE(same_bits(fused_push_all_sum[r].slots, fused_plain[r].slots))
-        << c.name << " rank " << r << ": slots, push of every row + fused sum vs the all-slots combine";
     EXPECT_TRUE(same_bits(fused_push[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM 2 epilogue push";
-    EXPECT_TRUE(same_bits(fused_push_all[r].y, fused[r].y))
-        << c.name << " rank " << r << ": y, GEMM 2 epilogue push of every row";
-    EXPECT_TRUE(same_bits(fused_push_all[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, push";
-    // The saved (t, k) rows: pushed by GEMM 2's epilogues (expert_out not written) == moved by
-    // the comm CTAs' all-slots combine (both slot arrays poisoned before the pass).
-    EXPECT_FALSE(fused_push_all[r].slots.empty());
-    EXPECT_TRUE(same_bits(fused_push_all[r].slots, fused_plain[r].slots))
-        << c.name << " rank " << r << ": slots, push of every row vs the all-slots combine";
-    EXPECT_TRUE(same_bits(fused_round_robin[r].y, fused[r].y)) << c.name << " rank " << r << ": y, tasks round-robin";
+    EXPECT_TRUE(same_bits(fused_push[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, push";
     EXPECT_TRUE(same_bits(fused_no_join[r].y, fused[r].y)) << c.name << " rank " << r << ": y, no comm CTA joining";
     EXPECT_TRUE(same_bits(fused_join_most[r].y, fused[r].y)) << c.name << " rank " << r << ": y, all but one joining";
     EXPECT_TRUE(same_bits(fused_join_most[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, joining";
     EXPECT_TRUE(same_bits(fused_sum[r].y, fused[r].y)) << c.name << " rank " << r << ": y, top-k sum in the fused kernel";
-    EXPECT_TRUE(same_bits(fused_help[r].y, fused[r].y)) << c.name << " rank " << r << ": y, GEMM CTAs dispatching";
-    EXPECT_TRUE(same_bits(fused_help[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, GEMM CTAs dispatching";
-    EXPECT_TRUE(same_bits(fused_plain[r].y, fused[r].y)) << c.name << " rank " << r << ": y, copy modes off";
-    EXPECT_TRUE(same_bits(fused_plain[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, copy modes off";
-    EXPECT_TRUE(same_bits(fused_gather[r].y, fused[r].y)) << c.name << " rank " << r << ": y, token-major";
-    EXPECT_TRUE(same_bits(fused_gather[r].g, fused[r].g)) << c.name << " rank " << r << ": saved g, token-major";
-    EXPECT_TRUE(same_bits(fused_gather[r].u, fused[r].u)) << c.name << " rank " << r << ": saved u, token-major";
     EXPECT_TRUE(same_bits(fused[r].y, staged[r].y)) << c.name << " rank " << r << ": y";
     EXPECT_TRUE(same_bits(fused[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g";
     EXPECT_TRUE(same_bits(fused[r].u, staged[r].u)) << c.name << " rank " << r << ": saved u";
@@ -515,16 +461,14 @@ TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
     ring_cfg.macrobatch = slots * kRowTile;
     ASSERT_LT(ring_cfg.resident_routed_rows(c.shape), cfg.buffer_rows_per_rank(c.shape)) << "no ring: " << c.name;
     const auto ring = run_path(p, ring_cfg, megakernel::ForwardPath::kFused);
-    // One comm CTA past the first window (the others join): the same bits.
-    const auto ring_one = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingOne);
     // The fused top-k sum on the ring (every row pushed, counted per token by a comm CTA).
     const auto ring_sum = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingSum);
     for (int r = 0; r < ep; ++r) {
       const std::string what = std::string(c.name) + " rank " + std::to_string(r) + ", ring of " +
                                std::to_string(slots) + " row tiles";
       EXPECT_TRUE(same_bits(ring[r].y, full[r].y)) << what << ": y";
-      EXPECT_TRUE(same_bits(ring_one[r].y, full[r].y)) << what << ": y, one comm CTA past the first window";
-      EXPECT_TRUE(same_bits(ring_one[r].g, ring[r].g)) << what << ": saved g, one comm CTA past the first window";
+      EXPECT_TRUE(same_bits(ring_sum[r].slots, ring[r].slots)) << what << ": slots, fused top-k sum";
+      EXPECT_FALSE(ring[r].slots.empty()) << what << ": the ring's slots hold every (t, k) row";
       EXPECT_TRUE(same_bits(ring_sum[r].y, full[r].y)) << what << ": y, fused top-k sum";
       EXPECT_TRUE(same_bits(ring_sum[r].g, ring[r].g)) << what << ": saved g, fused top-k sum";
       EXPECT_TRUE(same_bits(ring[r].shared_g, full[r].shared_g)) << what << ": shared g";
@@ -604,54 +548,33 @@ TEST(FusedForward, RefusesAGridLargerThanTheDevice) {
       sms + 1);
 }
 
-// A join_gemm beyond the comm CTAs (or, with rows to combine, leaving none to combine) is refused
-// before anything runs, naming the option.
+// A join_gemm beyond the comm CTAs is refused before anything runs, naming the option.
 TEST(FusedForward, RefusesAJoinCountBeyondTheCommCtas) {
   MOK_REQUIRE_GPUS(1);
   with_small_fused_workspace(9, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config& cfg,
                                    const LayerShape& s) {
     for (int join : {cfg.effective_comm_sms_forward(s) + 1, -2}) {
-      ws.impl().join_gemm = join;
+      ws.impl().fused.join_gemm = join;
       expect_forward_refused(ws, d, ew, "join_gemm", "join_gemm = " + std::to_string(join));
     }
-    ws.impl().combine_in_place = false;  // own rows copied into the slots: one comm CTA must combine
-    ws.impl().join_gemm = cfg.effective_comm_sms_forward(s);
-    expect_forward_refused(ws, d, ew, "join_gemm", "every comm CTA joining with rows to combine");
   });
 }
 
-// epilogue_push outside -1..1 is refused before anything runs, naming the option; with the
-// fused top-k sum and the own rows pushed, one comm CTA must stay to count them.
+// epilogue_push outside -1..1 is refused before anything runs, naming the option.
 TEST(FusedForward, RefusesBadEpiloguePushOptions) {
   MOK_REQUIRE_GPUS(1);
-  with_small_fused_workspace(10, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config& cfg,
-                                    const LayerShape& s) {
-    for (int v : {2, -2}) {
-      ws.impl().epilogue_push = v;
-      expect_forward_refused(ws, d, ew, "epilogue_push", "epilogue_push = " + std::to_string(v));
-    }
-    ws.impl().epilogue_push = 1;
-    ws.impl().fused_topk_sum = true;
-    ws.impl().combine_in_place = false;
-    ws.impl().join_gemm = cfg.effective_comm_sms_forward(s);
-    expect_forward_refused(ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
-  });
-}
-
-// expert_raster outside -1..1 is refused before anything runs, naming the option.
-TEST(FusedForward, RefusesABadExpertRaster) {
-  MOK_REQUIRE_GPUS(1);
-  with_small_fused_workspace(12, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config&,
+  with_small_fused_workspace(10, [](Workspace& ws, const RankData& d, const ExpertWeights& ew, const Config&,
                                     const LayerShape&) {
     for (int v : {2, -2}) {
-      ws.impl().expert_raster = v;
-      expect_forward_refused(ws, d, ew, "expert_raster", "expert_raster = " + std::to_string(v));
+      ws.impl().fused.epilogue_push = v;
+      expect_forward_refused(ws, d, ew, "epilogue_push", "epilogue_push = " + std::to_string(v));
     }
   });
 }
 
 // With the macrobatch ring the options that need every row resident are refused, naming
-// them: the staged path, the token-major gather, the push switched off.
+// them: the staged path, the push switched off; and with the fused top-k sum one comm CTA must
+// stay to count the pushed rows (every comm CTA joining is refused).
 TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
   MOK_REQUIRE_GPUS(1);
   MOK_REQUIRE_FUSED_WORKSPACE();
@@ -670,12 +593,14 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
     ws->impl().forward_path = megakernel::ForwardPath::kStaged;
     expect_forward_refused(*ws, d, ew, "Config.macrobatch", "the staged path on a ring");
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
-    ws->impl().dispatch_token_major = true;
-    expect_forward_refused(*ws, d, ew, "token_major", "token_major on a ring");
-    ws->impl().dispatch_token_major = false;
-    ws->impl().epilogue_push = 0;
+    megakernel::FusedForwardOptions& fo = ws->impl().fused;
+    fo.epilogue_push = 0;
     expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push 0 on a ring");
-    ws->impl().epilogue_push = -1;
+    fo.epilogue_push = -1;
+    fo.fused_topk_sum = true;
+    fo.join_gemm = cfg.effective_comm_sms_forward(s);
+    expect_forward_refused(*ws, d, ew, "join_gemm", "every comm CTA joining with pushed rows to count");
+    fo = megakernel::FusedForwardOptions{};
     MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), rank_stream()));
     forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());  // the defaults run
     ws->check();
