@@ -416,17 +416,14 @@ inline const std::vector<DispatchVariant>& dispatch_variants() {
 }
 // own_rows_in_place: only other ranks' rows are pushed (own-rank slots must stay poisoned) and
 // the epilogue reads the own rows from expert_out. Each combine variant is followed by an
-// epilogue in its mode.
-// remote_list: the in-place combine walks the schedule's remote-row list (the default);
-// false: row tiles per CTA (CombineRole::remote_rows = nullptr).
+// epilogue in its mode. The in-place combine walks the schedule's remote-row list.
 struct CombineVariant {
   int ctas;
   bool own_rows_in_place;
-  bool remote_list = true;
 };
 inline const std::vector<CombineVariant>& combine_variants() {
   static const std::vector<CombineVariant> v{{16, false}, {1, false},       {7, true},
-                                             {1, true},   {5, true, false}, {16, true}};
+                                             {1, true},   {5, true}, {16, true}};
   return v;
 }
 
@@ -551,7 +548,6 @@ inline RankOutputs run_rank(const CommCase& c, const RankInputs& in, const boots
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync_ranks();  // no peer pushes into the slots before they are poisoned everywhere
     comm::CombineLaunch l = st.combine_launch(expert_out, v.ctas, v.own_rows_in_place);
-    if (!v.remote_list) l.role.remote_rows = l.role.remote_count = nullptr;
     comm::launch_combine(l, stream);
     ws->check();
     out.slots.push_back(download(reinterpret_cast<const uint16_t*>(st.slots()), slot_elems));
