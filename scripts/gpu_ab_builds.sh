@@ -1,0 +1,31 @@
+#!/bin/bash
+# Side-by-side A/B of two builds' benchmark binaries in one lease, runs alternated A B A B (so the
+# power-capped clock drifts equally over both): bench_forward (fused, staged, GEMMs alone; the
+# default's bits compare through its y_hash) and bench_gemm. Each folder holds bench_forward,
+# bench_gemm and the libmok.so they were built with (e.g. `scripts/gpu_validate.sh build` for
+# the current tree into .devbin/validate, and a worktree of the other commit copied into .devbin/a).
+#   A=.devbin/a B=.devbin/validate scripts/gpu_ab_builds.sh      # GPU machine (carry .devbin)
+# Writes ab.tgz (every log and JSON) under $OUT and prints the forward lines last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SYS=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib:/usr/local/cuda/lib64
+OUT=${OUT:-ab-out}; mkdir -p "$OUT"
+A=${A:?folder of build A} B=${B:?folder of build B}
+nvidia-smi -L
+for round in 1 2; do
+  for v in a b; do
+    dir=$A; [ $v = b ] && dir=$B
+    LD_LIBRARY_PATH=$PWD/$dir:$SYS timeout 150 $dir/bench_forward --shapes dsv3,qwen3,gptoss --comm 16 --iters 10 \
+      --out "$OUT/fwd-$v-$round.json" > "$OUT/fwd-$v-$round.log" 2>&1; echo "fwd $v $round rc=$?"
+  done
+done
+for round in 1 2; do
+  for v in a b; do
+    dir=$A; [ $v = b ] && dir=$B
+    LD_LIBRARY_PATH=$PWD/$dir:$SYS timeout 100 $dir/bench_gemm --shape dsv3 --segments uniform,random --quick \
+      --warm-ms 300 --json "$OUT/gemm-$v-$round.json" > "$OUT/gemm-$v-$round.log" 2>&1; echo "gemm $v $round rc=$?"
+  done
+done
+for f in "$OUT"/fwd-*.log; do echo "== $f"; grep -E "^(dsv3|qwen3|gptoss) " "$f"; done
+(cd "$OUT" && tar czf ab.tgz fwd-* gemm-* && rm -f fwd-* gemm-*)
