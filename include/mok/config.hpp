@@ -13,9 +13,11 @@ struct Config {
   // comm_sms_forward 0 = automatic (effective_comm_sms_forward): at EP >= 2 enough CTAs to move
   // the pass's token rows in about the time its GEMMs take on the other SMs; at EP 1 (no
   // combine; the comm CTAs join the GEMM work after their dispatch share) at least one per
-  // 60 MB of routed rows, up to 16. Any count gives the same bits.
+  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic (16). With grid_sms set,
+  // an automatic count is fitted to leave at least one GEMM SM; an explicit one must be below
+  // grid_sms. Any count gives the same bits.
   int comm_sms_forward = 0;
-  int comm_sms_backward = 16;
+  int comm_sms_backward = 0;
   // Routed rows per overlap step (GEMMs on a minibatch start once its rows arrived).
   // 0 = automatic (chosen from the shape). Otherwise a positive multiple of kRowTile.
   int64_t minibatch = 0;
@@ -31,7 +33,7 @@ struct Config {
   // balanced share T*K. Sizes the receive buffers; exceeding it is a kCapacityOverflow
   // error, never a silent drop. Values above ep are the same as ep (overflow impossible).
   double capacity = 2.0;
-  // Persistent grid size in SMs; 0 = every SM of the device.
+  // Persistent grid size in SMs; 0 = every SM of the device, else at least 2.
   int grid_sms = 0;
   // Largest time one in-kernel wait may spin before it reports kTimeout.
   double wait_timeout_s = 10.0;
@@ -49,8 +51,9 @@ struct Config {
   // Rows of the routed buffers the fused forward keeps: macrobatch when it is set and below
   // buffer_rows_per_rank (a ring), else buffer_rows_per_rank (every row).
   int64_t resident_routed_rows(const LayerShape& shape) const;
-  // The communication CTAs of the forward actually used (resolves 0 = automatic).
+  // The communication CTAs of the forward / backward actually used (resolves 0 = automatic).
   int effective_comm_sms_forward(const LayerShape& shape) const;
+  int effective_comm_sms_backward(const LayerShape& shape) const;
 };
 
 }  // namespace mok

@@ -1,5 +1,7 @@
 #include "comm/error_record.hpp"
 
+#include <cmath>
+#include <cstring>
 #include <string>
 
 namespace mok::comm {
@@ -37,6 +39,17 @@ std::optional<Error> describe_device_error(const DeviceErrorRecord& rec, const L
     return Error(Status::kInvalidArgument,
                  on + where + ": expected " + expected + ", got " + std::to_string(value) +
                      " (the schedule is poisoned until the next mok::schedule)");
+  }
+  if (rec.weight_key != kNoWeightError) {
+    const int64_t item = static_cast<int64_t>(rec.weight_key >> 32);
+    const uint32_t bits = static_cast<uint32_t>(rec.weight_key & 0xffffffffu);
+    float w;
+    std::memcpy(&w, &bits, sizeof(w));
+    return Error(Status::kInvalidArgument,
+                 "mok: rank " + std::to_string(rank) + ": topk_w[token " + std::to_string(item / shape.topk) + ", k " +
+                     std::to_string(item % shape.topk) + "]: expected a finite router weight, got " +
+                     (std::isnan(w) ? std::string("nan") : std::string(w > 0 ? "inf" : "-inf")) +
+                     " (y is NaN-poisoned)");
   }
   switch (static_cast<Status>(rec.code)) {
     case Status::kOk: return std::nullopt;

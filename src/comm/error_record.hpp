@@ -31,6 +31,9 @@ const char* wait_site_name(WaitSite site);
 // item = (src_rank * T + token) * K + k (< 2^30 by LayerShape::validate).
 enum class RoutingErrorKind : uint32_t { kBadId = 0, kDuplicate = 1 };
 inline constexpr unsigned long long kNoRoutingError = ~0ull;
+// A non-finite router weight: key = (t * K + k) << 32 | the float's bits, the smallest entry of
+// this rank's topk_w [T, K] reported (atomicMin), whatever the thread timing.
+inline constexpr unsigned long long kNoWeightError = ~0ull;
 
 struct DeviceErrorRecord {
   unsigned long long routing_key;  // kNoRoutingError, or the smallest bad entry's key
@@ -40,11 +43,12 @@ struct DeviceErrorRecord {
   int32_t sm;
   int64_t expected;                // timeout: awaited value; overflow: Config::max_rows_per_rank
   int64_t observed;                // timeout: last value seen; overflow: real rows
+  unsigned long long weight_key;   // kNoWeightError, or the first non-finite topk_w entry's key
 };
 
 // The record as it is right after reset (host memcpy source).
 inline DeviceErrorRecord clean_error_record() {
-  return DeviceErrorRecord{kNoRoutingError, 0, 0, -1, -1, 0, 0};
+  return DeviceErrorRecord{kNoRoutingError, 0, 0, -1, -1, 0, 0, kNoWeightError};
 }
 
 // Host: the mok::Error a record describes, or nothing when it is clean.

@@ -18,20 +18,32 @@ void check_comm_sms(const char* name, int value, bool allow_auto) {
   }
 }
 
+// An automatic count of communication SMs that a set grid cannot hold shrinks to fit it,
+// leaving at least one GEMM SM (any count gives the same bits).
+int fit_grid(int automatic, int grid_sms) {
+  return grid_sms > 0 ? std::clamp(automatic, 1, std::max(grid_sms - 1, 1)) : automatic;
+}
+
 }  // namespace
 
 void Config::validate(const LayerShape& shape) const {
   shape.validate();
   check_comm_sms("comm_sms_forward", comm_sms_forward, true);
-  check_comm_sms("comm_sms_backward", comm_sms_backward, false);
-  if (grid_sms < 0 || grid_sms > 1024) {
-    throw_invalid("Config.grid_sms", "0 (every SM) or a number of SMs in [1, 1024]", std::to_string(grid_sms));
-  }
-  const int comm = std::max(effective_comm_sms_forward(shape), comm_sms_backward);
-  if (grid_sms != 0 && grid_sms <= comm) {
+  check_comm_sms("comm_sms_backward", comm_sms_backward, true);
+  if (grid_sms < 0 || grid_sms == 1 || grid_sms > 1024) {
     throw_invalid("Config.grid_sms",
-                  "more SMs than the communication SMs (" + std::to_string(comm) + ") so GEMM SMs remain",
+                  "0 (every SM) or a number of SMs in [2, 1024] (at least one communication and one GEMM SM)",
                   std::to_string(grid_sms));
+  }
+  // An explicit count must leave GEMM SMs in a set grid (an automatic one is fitted to it).
+  for (const auto& [name, value] : {std::pair{"Config.comm_sms_forward", comm_sms_forward},
+                                    std::pair{"Config.comm_sms_backward", comm_sms_backward}}) {
+    if (grid_sms != 0 && value >= grid_sms) {
+      throw_invalid(name,
+                    "0 (automatic) or fewer than Config.grid_sms = " + std::to_string(grid_sms) +
+                        " so that GEMM SMs remain",
+                    std::to_string(value));
+    }
   }
   if (minibatch < 0 || minibatch % kRowTile != 0) {
     throw_invalid("Config.minibatch", "0 (automatic) or a positive multiple of " + std::to_string(kRowTile) + " rows",
@@ -115,7 +127,12 @@ int Config::effective_comm_sms_forward(const LayerShape& shape) const {
     const double row_bytes = rows * static_cast<double>(shape.hidden) * 2.0;
     ctas = std::max(ctas, std::min(16, static_cast<int>(std::ceil(row_bytes / 60e6))));
   }
-  return std::clamp(ctas, 6, 32);
+  return fit_grid(std::clamp(ctas, 6, 32), grid_sms);
+}
+
+int Config::effective_comm_sms_backward(const LayerShape&) const {
+  if (comm_sms_backward > 0) return comm_sms_backward;
+  return fit_grid(16, grid_sms);  // automatic: 16 until the GPU backward measures its own rule
 }
 
 std::string Config::to_string() const {

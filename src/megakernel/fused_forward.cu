@@ -523,6 +523,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
+  check_router_weights(state, args.topk_w, stream);
   convert_segments(state, b, stream);
   if (!plan.x_in_place) state.stage_x(args.x, stream);
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts

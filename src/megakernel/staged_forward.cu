@@ -25,9 +25,21 @@ __global__ void segments_from_schedule(const comm::ScheduleHeader* header, const
 // y is NaN (0xFFFF) whenever the schedule was poisoned or a wait timed out: never silently wrong.
 __global__ void poison_if_failed(const comm::ScheduleHeader* header, const comm::DeviceErrorRecord* error, uint4* y,
                                  int64_t vecs) {
-  if (header->status == 0 && *reinterpret_cast<const volatile int32_t*>(&error->code) == 0) return;
+  if (header->status == 0 && *reinterpret_cast<const volatile int32_t*>(&error->code) == 0 &&
+      *reinterpret_cast<const volatile unsigned long long*>(&error->weight_key) == comm::kNoWeightError) {
+    return;
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vecs; i += int64_t(gridDim.x) * blockDim.x) {
     y[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+}
+
+// Non-finite router weights are bad input, as bad expert ids are: the first one (smallest
+// t * K + k) is recorded, y is poisoned after the pass, and Workspace::check() throws it.
+__global__ void check_weights_kernel(const float* topk_w, int64_t n, comm::DeviceErrorRecord* error) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float w = topk_w[i];
+    if (!isfinite(w)) atomicMin(&error->weight_key, (static_cast<unsigned long long>(i) << 32) | __float_as_uint(w));
   }
 }
 
@@ -120,6 +132,14 @@ void convert_segments(comm::CommState& state, ForwardBuffers& b, cudaStream_t st
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+void check_router_weights(comm::CommState& state, const float* topk_w, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const int64_t n = s.tokens * s.topk;
+  check_weights_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 256)), 256, 0, stream>>>(
+      topk_w, n, state.error_record());
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
 void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream) {
   const LayerShape& s = state.shape();
   const int64_t vecs = s.tokens * s.hidden * 2 / 16;
@@ -132,6 +152,7 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
                     const StagedForwardOptions& o, cudaStream_t stream) {
   refuse_ring(state, b, "the staged forward");
   const LayerShape& s = state.shape();
+  check_router_weights(state, args.topk_w, stream);
   convert_segments(state, b, stream);
   state.stage_x(args.x, stream);
   if (s.has_shared()) {

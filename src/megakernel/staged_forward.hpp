@@ -70,8 +70,11 @@ int64_t resident_tile(const ForwardBuffers& buffers, int64_t tile, int64_t padde
 // Steps shared by the staged and the fused forward.
 // The schedule's int64 segment table -> the GEMM engine's int32 one (empty when poisoned).
 void convert_segments(comm::CommState& state, ForwardBuffers& buffers, cudaStream_t stream);
-// y = NaN (0xFFFF) when the schedule was poisoned or a wait of this rank timed out: never
-// silently wrong (Workspace::check() throws the reason).
+// Records the first non-finite entry of topk_w [T, K] in the error record (poison_y_on_error
+// then poisons y; Workspace::check() throws kInvalidArgument naming it).
+void check_router_weights(comm::CommState& state, const float* topk_w, cudaStream_t stream);
+// y = NaN (0xFFFF) when the schedule was poisoned, a router weight was not finite or a wait of
+// this rank timed out: never silently wrong (Workspace::check() throws the reason).
 void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream);
 
 // Throws the first GEMM error recorded since the last call (after synchronising `stream`).

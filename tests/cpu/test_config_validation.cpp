@@ -2,6 +2,7 @@
 // that names the argument and the expected value.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -78,7 +79,8 @@ TEST(ConfigValidation, DefaultsAreValid) {
   mok::Config c;
   EXPECT_NO_THROW(c.validate(good_shape()));
   EXPECT_EQ(c.comm_sms_forward, 0);  // automatic
-  EXPECT_EQ(c.comm_sms_backward, 16);
+  EXPECT_EQ(c.comm_sms_backward, 0);  // automatic
+  EXPECT_EQ(c.effective_comm_sms_backward(good_shape()), 16);
   EXPECT_EQ(c.capacity, 2.0);
   EXPECT_EQ(c.effective_minibatch(good_shape()) % mok::kRowTile, 0);
 }
@@ -91,8 +93,8 @@ TEST(ConfigValidation, BadKnobsNameTheKnob) {
   c.comm_sms_forward = 129;
   expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_forward", "129"});
   c = {};
-  c.comm_sms_backward = 0;
-  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "[1, 128]", "0"});
+  c.comm_sms_backward = -1;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "0 (automatic)", "[1, 128]", "-1"});
   c = {};
   c.comm_sms_backward = 500;
   expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "500"});
@@ -109,8 +111,16 @@ TEST(ConfigValidation, BadKnobsNameTheKnob) {
   c.capacity = std::numeric_limits<double>::quiet_NaN();
   expect_invalid([&] { c.validate(s); }, {"Config.capacity", "nan"});
   c = {};
-  c.grid_sms = 8;  // not more than the 16 communication SMs
-  expect_invalid([&] { c.validate(s); }, {"Config.grid_sms", "8"});
+  c.grid_sms = 8;
+  c.comm_sms_forward = 8;  // an explicit count must leave GEMM SMs
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_forward", "fewer than Config.grid_sms = 8", "8"});
+  c = {};
+  c.grid_sms = 8;
+  c.comm_sms_backward = 12;
+  expect_invalid([&] { c.validate(s); }, {"Config.comm_sms_backward", "fewer than Config.grid_sms = 8", "12"});
+  c = {};
+  c.grid_sms = 1;
+  expect_invalid([&] { c.validate(s); }, {"Config.grid_sms", "[2, 1024]", "1"});
   c = {};
   c.grid_sms = -1;
   expect_invalid([&] { c.validate(s); }, {"Config.grid_sms", "-1"});
@@ -132,6 +142,25 @@ TEST(ConfigValidation, AutomaticCommSmsFollowBytesPerFlop) {
   EXPECT_LE(c.effective_comm_sms_forward(mok::gptoss_shape(2)), 8);
   c.comm_sms_forward = 12;
   EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 12);
+}
+
+// A set grid smaller than an automatic count gets a count that fits it (one GEMM SM at least):
+// Config{grid_sms = 17} with the automatic counts is valid, whatever the shape asks for.
+TEST(ConfigValidation, AutomaticCommSmsFitTheGrid) {
+  for (int ep : {1, 2}) {
+    for (const mok::LayerShape& s : {mok::dsv3_shape(ep), mok::qwen3_shape(ep), mok::gptoss_shape(ep)}) {
+      for (int grid : {2, 3, 7, 17}) {
+        mok::Config c;
+        c.grid_sms = grid;
+        EXPECT_NO_THROW(c.validate(s)) << "grid_sms " << grid;
+        EXPECT_GE(c.effective_comm_sms_forward(s), 1);
+        EXPECT_LT(c.effective_comm_sms_forward(s), grid) << "grid_sms " << grid;
+        EXPECT_LT(c.effective_comm_sms_backward(s), grid) << "grid_sms " << grid;
+        EXPECT_EQ(c.effective_comm_sms_forward(s),
+                  std::min(mok::Config{}.effective_comm_sms_forward(s), grid - 1));
+      }
+    }
+  }
 }
 
 // EP 1 (every comm CTA joins the GEMM work after its dispatch share): at least one CTA per 60 MB

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <random>
 
@@ -271,6 +272,11 @@ TEST_P(ForwardDeterminism, KnobsAndRepeatsGiveIdenticalBits) {
   Config grid = default_config(s);
   grid.grid_sms = 40;
   configs.push_back(grid);
+  for (int g : {17, 4}) {  // automatic comm SMs fitted to a small grid (4: 6 automatic -> 3)
+    Config small = default_config(s);
+    small.grid_sms = g;
+    configs.push_back(small);
+  }
   Config tiny = default_config(s);  // one comm CTA and one GEMM CTA: every wait is on another CTA
   tiny.comm_sms_forward = tiny.comm_sms_backward = 1;
   tiny.grid_sms = 2;
@@ -645,6 +651,42 @@ TEST(ForwardErrors, BadExpertIdIsAnErrorAndPoisonsY) {
   Problem p = make_problem(s, Pattern::kUniform, 6);
   p.inputs.topk_idx[0][17] = 8;  // E = 8: ids are 0..7
   expect_forward_error(p, default_config(s), Status::kInvalidArgument, "expert");
+}
+
+// Non-finite router weights are bad input too (as a bad expert id): kInvalidArgument naming the
+// first bad entry, y NaN-poisoned, on both paths; a later pass with finite weights is clean.
+TEST(ForwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsY) {
+  MOK_REQUIRE_GPUS(1);
+  const LayerShape s{256, 128, 128, 64, 8, 2, 1};
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    Problem p = make_problem(s, Pattern::kUniform, 12);
+    p.inputs.topk_w[0][2 * 3 + 1] = bad;      // token 3, k 1: the one reported
+    p.inputs.topk_w[0][2 * 200 + 0] = bad;    // a later one
+    expect_forward_error(p, default_config(s), Status::kInvalidArgument, "topk_w[token 3, k 1]");
+  }
+  Problem p = make_problem(s, Pattern::kUniform, 13);
+  p.inputs.topk_w[0][5] = std::numeric_limits<float>::quiet_NaN();
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    auto ws = create_workspace(s, default_config(s), r);
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    for (auto path : {megakernel::ForwardPath::kStaged, megakernel::ForwardPath::kFused}) {
+      ws->impl().forward_path = path;
+      schedule(*ws, d.idx.get(), rank_stream());
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
+      EXPECT_THROW(ws->check(), Error) << megakernel::forward_path_name(path);
+    }
+    std::vector<float> w = p.inputs.topk_w[0];
+    w[5] = 0.25f;  // finite again: the next pass reports nothing and y is finite
+    MOK_CUDA_CHECK(cudaMemcpy(d.w.get(), w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+    schedule(*ws, d.idx.get(), rank_stream());
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
+    EXPECT_NO_THROW(ws->check());
+    std::vector<uint16_t> y(d.y.size());
+    MOK_CUDA_CHECK(cudaMemcpy(y.data(), d.y.get(), d.y.bytes(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_TRUE(std::isfinite(ref::from_bf16(y[i]))) << "y[" << i << "]";
+  });
 }
 
 }  // namespace
