@@ -95,7 +95,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     tma_load_2d(&p.x, bar, a, 64 * k, t.row0);
     load_b(p, t, k, b, bar, rank);
   }
-  // B alone (a gathering producer writes A itself).
+  // B: the gate and up boxes of the same intermediate indices.
   __device__ static void load_b(const Params& p, const RowTile& t, int k, uint8_t* b, uint64_t* bar, int rank) {
     load_b_boxes<C, 2>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(box == 0 ? &p.w_gate : &p.w_up, bar, b + box * (Cfg::kBBytes / 2), 64 * k, 128 * t.n_tile,

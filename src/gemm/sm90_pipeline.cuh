@@ -103,17 +103,16 @@ struct PipeState {
   }
 };
 
-// Stage ring barriers. full[s]: the producer's expect_tx plus the TMA bytes complete it (with
-// a gathering producer warp also one arrival per lane: full_arrivals = 1 + 32).
+// Stage ring barriers. full[s]: the producer's expect_tx plus the TMA bytes complete it.
 // empty[s]: every consumer thread arrives once it no longer reads stage s.
 template <int Stages>
 struct StageBarriers {
   alignas(8) uint64_t full[Stages];
   alignas(8) uint64_t empty[Stages];
 
-  __device__ void init(int consumer_threads, int full_arrivals = 1) {
+  __device__ void init(int consumer_threads) {
     for (int s = 0; s < Stages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&full[s], full_arrivals);
+      cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], consumer_threads);
     }
     cutlass::arch::fence_barrier_init();

@@ -85,7 +85,7 @@ __device__ void gemm_cta(const FusedForwardParams& p, uint8_t* smem_raw, int cta
   auto* ss = reinterpret_cast<gemm::SharedStorage<Cfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                           ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>(), 1);
+    ss->bars.init(gemm::empty_barrier_arrivals<Cfg>());
     init_task_queue(*ss);
     G1Kind::prefetch_descriptors(p.routed1);
     G2Kind::prefetch_descriptors(p.routed2);
