@@ -190,7 +190,6 @@ int resolve_grid(const FusedForwardOptions& o) {
 struct Plan {
   FusedForwardOptions o;
   int grid = 0;
-  bool ring = false;               // the macrobatch ring (Config::macrobatch below the routed buffer)
   bool dedup = true;               // the fan-out dispatch; the ring pulls every row (plain)
   bool own_rows_in_place = true;   // own rows stay in expert_out; the ring pushes every row
   bool push = false;               // GEMM 2's epilogues push the combine's rows
@@ -274,9 +273,8 @@ Plan make_plan(const comm::CommState& state, const ForwardBuffers& b, const Forw
   Plan plan;
   plan.o = o;
   plan.grid = resolve_grid(o);
-  plan.ring = b.ring();
   plan.push = o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
-  if (plan.ring) {
+  if (b.ring()) {  // the macrobatch ring (Config::macrobatch below the routed buffer)
     if (o.epilogue_push == 0) {
       throw_invalid("FusedForwardOptions.epilogue_push",
                     "-1 or 1 with the macrobatch ring (Config.macrobatch = " +
