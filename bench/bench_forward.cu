@@ -239,7 +239,7 @@ struct Baseline {
     all_to_all(send.get(), send_rows, recv.get(), recv_rows, row_bytes, comm, st);
     gather_rows(state.row_buffer(), recv.get(), unpack_map.get(), padded_rows, row_bytes, st);
     megakernel::StagedForwardOptions o;  // GEMMs on every SM
-    megakernel::forward_gemms_only(state, b, L.weights(), o, st);
+    megakernel::forward_gemms_only(state, b, L.weights(), o, impl.own_context->impl().saved, st);
     gather_rows(back.get(), b.expert_out.get(), back_map.get(), total_recv, row_bytes, st);
     all_to_all(back.get(), recv_rows, recv_back.get(), send_rows, row_bytes, comm, st);
     gather_rows(state.window_local() + state.layout().slots, recv_back.get(), slot_map.get(), s.tokens * s.topk,
@@ -297,8 +297,9 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   std::unique_ptr<Workspace> ring_ws;
   auto routed_mb = [&](Workspace& W) {
     const megakernel::ForwardBuffers& b = *W.impl().forward;
-    return (W.impl().state->row_buffer_rows() * s.hidden * 2.0 + b.h.bytes() + b.g.bytes() + b.u.bytes() +
-            b.expert_out.bytes()) / 1e6;
+    // g, u: the ring's, or (without it) the saved ones in the layer's context
+    const double gu = b.ring() ? double(b.g.bytes() + b.u.bytes()) : 2.0 * b.buffer_rows * s.intermediate * 2;
+    return (W.impl().state->row_buffer_rows() * s.hidden * 2.0 + b.h.bytes() + gu + b.expert_out.bytes()) / 1e6;
   };
   res.routed_buffer_mb = routed_mb(*ws);
   if (o.macrobatch > 0) {
@@ -351,7 +352,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   auto pass = [&](const Mode* m, const megakernel::FusedForwardOptions& fo) {
     Workspace& W = ws_of(m);
     schedule(W, L.topk_idx.get(), st);
-    megakernel::fused_forward(*W.impl().state, *W.impl().forward, args, w, fo, st);
+    megakernel::fused_forward(*W.impl().state, *W.impl().forward, args, w, fo, W.impl().own_context->impl().saved, st);
     W.impl().last_stream = st;
   };
   auto options_for = [&](int c, Configure configure, bool variant) {
@@ -366,7 +367,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   {  // the default's y: the reference of the variants' bits
     const auto fo = options_for(o.comm.front(), modes[0].configure, false);
     schedule(*ws, L.topk_idx.get(), st);
-    megakernel::fused_forward(state, buf, args, w, fo, st);
+    megakernel::fused_forward(state, buf, args, w, fo, impl.own_context->impl().saved, st);
     impl.last_stream = st;
     ws->check();
     MOK_CUDA_CHECK(cudaMemcpyAsync(y_ref.get(), args.y, y_ref.bytes(), cudaMemcpyDeviceToDevice, st));
@@ -408,11 +409,11 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   so.timeout_s = cfg.wait_timeout_s;
   res.staged_ms = time_ms(o, sync, st, [&] {
     schedule(*ws, L.topk_idx.get(), st);
-    megakernel::staged_forward(state, buf, args, w, so, st);
+    megakernel::staged_forward(state, buf, args, w, so, impl.own_context->impl().saved, st);
   });
   ws->check();
   res.fused_vs_staged = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
-  res.gemms_ms = time_ms(o, sync, st, [&] { megakernel::forward_gemms_only(state, buf, w, so, st); });
+  res.gemms_ms = time_ms(o, sync, st, [&] { megakernel::forward_gemms_only(state, buf, w, so, impl.own_context->impl().saved, st); });
   ws->check();
 
   // Unfused baseline: maps from this rank's schedule rows (downloaded once, not timed).

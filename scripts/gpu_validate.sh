@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=.devbin/validate
 BUILD=${BUILD:-build}
-TESTS="test_gemm test_comm test_comm_errors test_comm_bootstrap test_comm_torchrun test_forward"
+TESTS="test_gemm test_comm test_comm_errors test_comm_bootstrap test_comm_torchrun test_forward test_backward"
 
 build() {
   set -e
@@ -58,6 +58,7 @@ run() {
   step test_comm_errors  40 $BIN/test_comm_errors
   step test_comm_boot    20 $BIN/test_comm_bootstrap
   step test_forward     300 $BIN/test_forward
+  step test_backward    300 $BIN/test_backward
   step torchrun          40 $TR --no-python --nproc_per_node=$NGPU --master_port 29571 $BIN/test_comm_torchrun
   step memcheck_gemm     60 $SAN --tool memcheck $BIN/test_gemm --gtest_filter='*SanitizerSmall*'
   step racecheck_gemm    60 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*'
@@ -65,10 +66,13 @@ run() {
   step racecheck_forward 300 $SAN --tool racecheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
   step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'
   step memcheck_comm    120 $SAN --tool memcheck $BIN/test_comm --gtest_filter='Ep1/CommPipeline.*:Ep1/CommCtaCounts.*AllTokens*'
+  step memcheck_bwd     150 $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc:Shapes/BackwardVsReference.*top8_E16_shared_ep1_bf16'
+  step racecheck_bwd    300 $SAN --tool racecheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
   # EP 2 as simulated ranks on one GPU (tests/gpu/test_comm_harness.cuh): every peer pointer is
   # on this device, so memcheck sees the cross-rank stores too. Only with fewer GPUs than 2.
   if [ "$NGPU" -lt 2 ]; then
+    step memcheck_bwd_sim 150 $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*top8_E16_shared_ep2_fp32acc'
     step memcheck_fwd_sim 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep2:Ep/ForwardMacrobatch.*topk8_ep2:Ep/FusedVsStaged.*tails_blocks_ep2'
   fi
   if [ "${BENCH:-0}" = 1 ]; then

@@ -126,8 +126,8 @@ struct RunResult {
   Params student;
 };
 
-// One training run. With `gpu`, the forward runs on the GPUs (mok::forward) and the
-// backward on the CPU reference (no GPU backward yet), which recomputes its own context.
+// One training run. With `gpu`, the forward and the backward run on the GPUs (mok::forward,
+// mok::backward over the forward's saved context); without, on the CPU reference.
 RunResult train(const LayerShape& shape, const Config& cfg, int64_t steps, int64_t log_every, double lr,
                 uint64_t seed, bool gpu, bool verbose) {
   std::unique_ptr<GpuLayer> gpu_layer;
@@ -165,7 +165,8 @@ RunResult train(const LayerShape& shape, const Config& cfg, int64_t steps, int64
     }
     loss /= n_out;
     run.losses.push_back(loss);
-    const ref::Gradients g = ref::backward(shape, cfg, w, batch, dy, cpu_out ? &cpu_out->ctx : nullptr);
+    const ref::Gradients g =
+        gpu_layer ? gpu_layer->backward(dy) : ref::backward(shape, cfg, w, batch, dy, &cpu_out->ctx);
     const std::vector<float> sg = sum_over_ranks(g.shared_dgate), su = sum_over_ranks(g.shared_dup),
                              sd = sum_over_ranks(g.shared_ddown);
     adam.update(run.student, {&g.dgate, &g.dup, &g.ddown, &sg, &su, &sd});
@@ -199,7 +200,7 @@ bool choose_gpu(const std::string& engine, std::string& why, int& gpus) {
     cudaGetLastError();
     gpus = 0;
   }
-  const bool gpu_ok = gpus > 0 && info.gpu_forward;
+  const bool gpu_ok = gpus > 0 && info.gpu_forward && info.gpu_backward;
   if (engine == "cpu") {
     why = "CPU reference (--engine cpu)";
     return false;
@@ -207,17 +208,18 @@ bool choose_gpu(const std::string& engine, std::string& why, int& gpus) {
   if (engine == "gpu" && !gpu_ok) {
     throw Error(Status::kNotImplemented,
                 std::string("--engine gpu: ") +
-                    (gpus == 0 ? "no CUDA GPU is visible" : "this build has no GPU forward") +
+                    (gpus == 0 ? "no CUDA GPU is visible" : "this build has no GPU forward and backward") +
                     "; use --engine cpu or auto");
   }
   if (engine != "gpu" && engine != "auto") throw_invalid("--engine", "auto, cpu or gpu", engine);
   if (gpu_ok) {
-    why = std::string("GPU forward (mok::forward, one GPU per rank); backward on the CPU reference ") +
-          (info.gpu_backward ? "" : "(no GPU backward yet)");
+    why = "GPU forward and backward (mok::forward, then mok::backward on the GPU over the forward's saved "
+          "context; one GPU per rank)";
     return true;
   }
   why = gpus == 0 ? "CPU reference (no CUDA GPU visible)"
-                  : "CPU reference (this build has no GPU forward; " + std::to_string(gpus) + " GPU(s) visible)";
+                  : "CPU reference (this build has no GPU forward and backward; " + std::to_string(gpus) +
+                        " GPU(s) visible)";
   return false;
 }
 

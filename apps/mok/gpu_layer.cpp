@@ -46,11 +46,24 @@ struct GpuLayer::State {
   bool stop = false;
   const ref::LayerWeights* weights = nullptr;
   const ref::LayerInputs* inputs = nullptr;
+  const std::vector<std::vector<uint16_t>>* dy = nullptr;  // set: this step is the backward
   std::vector<std::vector<uint16_t>> y;
+  ref::Gradients grads;  // the backward's, assembled from every rank
   std::mutex mu;
   std::exception_ptr error;
 
-  State(const LayerShape& s, const Config& c) : shape(s), config(c), sync(s.ep + 1), y(s.ep) {}
+  State(const LayerShape& s, const Config& c) : shape(s), config(c), sync(s.ep + 1), y(s.ep) {
+    grads.dx.resize(s.ep);
+    grads.dtopk_w.resize(s.ep);
+    grads.dgate.assign(size_t(s.experts) * s.intermediate * s.hidden, 0.f);
+    grads.dup.assign(grads.dgate.size(), 0.f);
+    grads.ddown.assign(grads.dgate.size(), 0.f);
+    if (s.has_shared()) {
+      grads.shared_dgate.resize(s.ep);
+      grads.shared_dup.resize(s.ep);
+      grads.shared_ddown.resize(s.ep);
+    }
+  }
 
   void record(std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -74,7 +87,11 @@ struct GpuLayer::State {
       if (stop) break;
       try {
         if (!ws) throw Error(Status::kInternal, "workspace creation failed on rank " + std::to_string(r.rank));
-        step(r.rank, *ws, stream, x, gate, up, down, sgate, sup, sdown, y_dev, idx, w);
+        if (dy != nullptr) {
+          backward_step(r.rank, *ws, stream, x, gate, up, down, sgate, sup, sdown, w);
+        } else {
+          step(r.rank, *ws, stream, x, gate, up, down, sgate, sup, sdown, y_dev, idx, w);
+        }
       } catch (...) {
         record(std::current_exception());
       }
@@ -109,6 +126,52 @@ struct GpuLayer::State {
     cuda_ok(cudaMemcpy(y_host.data(), y_dev.p, y_host.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy y");
     y[rank] = std::move(y_host);
   }
+
+  // The GPU backward over the forward's context (the workspace's own): dx, d topk_w and the
+  // weight gradients added into zeroed fp32 buffers (GradMode::kAccumulateFp32).
+  void backward_step(int rank, Workspace& ws, cudaStream_t s, DeviceVec<uint16_t>& x, DeviceVec<uint16_t>& gate,
+                     DeviceVec<uint16_t>& up, DeviceVec<uint16_t>& down, DeviceVec<uint16_t>& sgate,
+                     DeviceVec<uint16_t>& sup, DeviceVec<uint16_t>& sdown, DeviceVec<float>& w) {
+    const LayerShape& sh = shape;
+    const size_t routed = size_t(sh.local_experts()) * sh.intermediate * sh.hidden;
+    const size_t shared = size_t(sh.shared_intermediate) * sh.hidden;
+    DeviceVec<uint16_t> dy_dev, dx_dev;
+    DeviceVec<float> dtopk, dgate, dup, ddown, sdgate, sdup, sddown;
+    dy_dev.upload((*dy)[rank].data(), (*dy)[rank].size(), s);
+    const std::vector<uint16_t> zeros16(size_t(sh.tokens) * sh.hidden);
+    dx_dev.upload(zeros16.data(), zeros16.size(), s);
+    const std::vector<float> zr(routed), zs(shared), zk(size_t(sh.tokens) * sh.topk);
+    dtopk.upload(zk.data(), zk.size(), s);
+    dgate.upload(zr.data(), routed, s);
+    dup.upload(zr.data(), routed, s);
+    ddown.upload(zr.data(), routed, s);
+    sdgate.upload(zs.data(), shared, s);
+    sdup.upload(zs.data(), shared, s);
+    sddown.upload(zs.data(), shared, s);
+    auto b = [](const DeviceVec<uint16_t>& v) { return reinterpret_cast<const bf16*>(v.p); };
+    const ExpertWeights ew{b(gate), b(up), b(down), b(sgate), b(sup), b(sdown)};
+    const WeightGrads wg{GradMode::kAccumulateFp32, dgate.p, dup.p, ddown.p, sdgate.p, sdup.p, sddown.p};
+    mok::backward(ws, BackwardArgs{b(x), w.p, b(dy_dev), reinterpret_cast<bf16*>(dx_dev.p), dtopk.p}, ew, wg, s);
+    ws.check();
+    auto down_f = [&](const DeviceVec<float>& v, float* dst) {
+      if (v.n) cuda_ok(cudaMemcpy(dst, v.p, v.n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy grads");
+    };
+    grads.dx[rank].resize(zeros16.size());
+    cuda_ok(cudaMemcpy(grads.dx[rank].data(), dx_dev.p, zeros16.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy dx");
+    grads.dtopk_w[rank].resize(zk.size());
+    down_f(dtopk, grads.dtopk_w[rank].data());
+    down_f(dgate, grads.dgate.data() + rank * routed);  // this rank's experts of the global view
+    down_f(dup, grads.dup.data() + rank * routed);
+    down_f(ddown, grads.ddown.data() + rank * routed);
+    if (sh.has_shared()) {
+      grads.shared_dgate[rank].resize(shared);
+      grads.shared_dup[rank].resize(shared);
+      grads.shared_ddown[rank].resize(shared);
+      down_f(sdgate, grads.shared_dgate[rank].data());
+      down_f(sdup, grads.shared_dup[rank].data());
+      down_f(sddown, grads.shared_ddown[rank].data());
+    }
+  }
 };
 
 GpuLayer::GpuLayer(const LayerShape& shape, const Config& config) : state_(std::make_unique<State>(shape, config)) {
@@ -134,10 +197,21 @@ std::vector<std::vector<uint16_t>> GpuLayer::forward(const ref::LayerWeights& we
   State& st = *state_;
   st.weights = &weights;
   st.inputs = &inputs;
+  st.dy = nullptr;
   st.sync.arrive_and_wait();  // step ready
   st.sync.arrive_and_wait();  // step done
   if (st.error) std::rethrow_exception(st.error);
   return st.y;
+}
+
+ref::Gradients GpuLayer::backward(const std::vector<std::vector<uint16_t>>& dy) {
+  State& st = *state_;
+  st.dy = &dy;
+  st.sync.arrive_and_wait();  // step ready
+  st.sync.arrive_and_wait();  // step done
+  st.dy = nullptr;
+  if (st.error) std::rethrow_exception(st.error);
+  return st.grads;
 }
 
 }  // namespace mok::cli

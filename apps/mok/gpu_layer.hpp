@@ -21,6 +21,9 @@ class GpuLayer {
 
   // y of every rank ([ep][T*H] bf16 bits) from the GPU forward (schedule + forward + check).
   std::vector<std::vector<uint16_t>> forward(const ref::LayerWeights& weights, const ref::LayerInputs& inputs);
+  // The GPU backward of the last forward (dy [ep][T*H] bf16 bits): dx, d topk_w, the routed
+  // weight gradients (global [E, ...] view) and each rank's shared-expert partial sums.
+  ref::Gradients backward(const std::vector<std::vector<uint16_t>>& dy);
 
   struct State;
 

@@ -3,9 +3,11 @@
 //   mok::LayerShape shape = mok::dsv3_shape(/*ep=*/2);
 //   mok::Config cfg;                                   // documented defaults
 //   auto ws = mok::Workspace::create(shape, cfg, comm, device);
+//   auto ctx = mok::Context::create(*ws, stream);      // one per layer (or none: the workspace's own)
 //   mok::schedule(*ws, topk_idx, stream);              // routing table, on the GPU, no host sync
-//   mok::forward(*ws, {x, topk_w, y}, weights, stream);
-//   mok::backward(*ws, {dy, dx, dtopk_w}, weights, grads, stream);
+//   mok::forward(*ws, {x, topk_w, y, ctx.get()}, weights, stream);
+//   ...                                                // other layers' schedule + forward
+//   mok::backward(*ws, {x, topk_w, dy, dx, dtopk_w, ctx.get()}, weights, grads, stream);
 //   ws->check();                                       // sync point: turns device-side errors into mok::Error
 //
 // All pointers are device pointers of the calling rank; every rank calls the same sequence.
@@ -14,6 +16,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -51,18 +54,24 @@ struct WeightGrads {
   void* shared_down = nullptr;
 };
 
+class Context;
+
 struct ForwardArgs {
   const bf16* x = nullptr;       // [T, H]; may be Workspace::x_staging() (zero-copy dispatch)
   const float* topk_w = nullptr; // [T, K] router weights
   bf16* y = nullptr;             // [T, H] output
+  // Where this forward saves what its backward needs (the routing table, g, u); nullptr: the
+  // workspace's own context (one layer, or a backward right after its forward).
+  Context* context = nullptr;
 };
 
 struct BackwardArgs {
-  const bf16* x = nullptr;       // [T, H] the forward input (used when recomputing)
-  const float* topk_w = nullptr; // [T, K]
+  const bf16* x = nullptr;       // [T, H] the forward's input (dispatched again for the gate/up weight gradients)
+  const float* topk_w = nullptr; // [T, K] the forward's router weights
   const bf16* dy = nullptr;      // [T, H]
   bf16* dx = nullptr;            // [T, H]
   float* dtopk_w = nullptr;      // [T, K]
+  Context* context = nullptr;    // the matching forward's context (nullptr: the workspace's own)
 };
 
 // What the compiled engine implements; entry points that are not there throw kNotImplemented.
@@ -92,6 +101,10 @@ class Workspace {
   // [T, H] buffer in symmetric memory: write x here and pass it as ForwardArgs::x to skip
   // the staging copy.
   bf16* x_staging();
+  // Device memory this workspace holds: the symmetric window, the schedule, the forward's and
+  // the backward's scratch and its own context (Context::bytes). Each further Context adds
+  // Context::bytes(shape, config).
+  size_t device_bytes() const;
   // Synchronises the workspace's last stream and throws the first device-side error
   // (capacity overflow, bad expert id, wait timeout) as mok::Error.
   void check();
@@ -106,12 +119,49 @@ class Workspace {
   std::unique_ptr<Impl> impl_;
 };
 
+// What one layer's forward keeps for its backward (DESIGN §9): the routing table and the saved
+// g, u (and shared g, u) in one block of device memory. Many layers share one Workspace and
+// keep one Context each; a backward consumes the context of its forward, in any order. The
+// context belongs to the workspace that created it (a backward on another workspace, or on a
+// context that no forward filled or a backward already consumed, throws kInvalidArgument).
+class Context {
+ public:
+  // Device bytes of one context (docs/architecture.md "Memory"): the routing table
+  // (~16 B per buffer row + 4 B per global (t, k)) plus g, u [buffer_rows, I] and shared g, u
+  // [T, I_shared] in bf16.
+  static size_t bytes(const LayerShape& shape, const Config& config);
+  // mok allocates the block on `stream` (stream-ordered, cudaMallocAsync) and frees it when the
+  // context is destroyed (on the stream of its last use).
+  static std::unique_ptr<Context> create(Workspace& ws, cudaStream_t stream);
+  // The caller's memory (a torch-allocated tensor, say): `bytes` >= Context::bytes(shape, config),
+  // 256-byte aligned, on the workspace's device; it must outlive the context's last use.
+  static std::unique_ptr<Context> create(Workspace& ws, void* memory, size_t bytes);
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  size_t bytes() const;
+  // A forward filled it and no backward consumed it yet.
+  bool saved() const;
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+  explicit Context(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+inline size_t context_bytes(const LayerShape& shape, const Config& config) { return Context::bytes(shape, config); }
+
 // Routing table for the next forward/backward: exchanged and derived on the GPU (DESIGN §2.1).
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream);
 // y = shared(x) + sum_k topk_w[t,k] * expert_{topk_idx[t,k]}(x[t]); saves the forward context.
 void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights,
              cudaStream_t stream);
-// dx, d topk_w and weight gradients from dy, using the saved (or recomputed) context.
+// dx, d topk_w and weight gradients from dy, using the saved context of the matching forward
+// (which it consumes), after that forward's routing table (no new exchange, no host sync).
+// Weight gradients are added into fp32 buffers or written bf16 (WeightGrads::mode); the shared
+// expert's are this rank's partial sums (the caller all-reduces them like data-parallel ones).
 void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights,
               const WeightGrads& grads, cudaStream_t stream);
 // Rebuilds the forward context from x (activation checkpointing) without producing y.

@@ -75,37 +75,44 @@ void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
-DispatchRole CommState::dispatch_role(bool dedup) {
+DispatchRole CommState::dispatch_role(bool dedup) { return dispatch_role(dedup, view()); }
+
+DispatchRole CommState::dispatch_role(bool dedup, const ScheduleView& v) {
   DispatchRole r;
   r.peers = peers();
   r.x_offset = layout_.x;
   r.row_bytes = shape_.hidden * 2;
-  r.header = schedule_->header.get();
-  r.rows = schedule_->rows.get();
+  r.header = v.header;
+  r.rows = v.rows;
   r.row_buffer = reinterpret_cast<char*>(row_buffer_.get());
   r.ready = ready_counters();
   r.tile_done = tile_flags();
   r.tiles_per_minibatch = schedule_->minibatch / kRowTile;
   r.dedup = dedup;
   r.wait = wait_context();
-  r.dest_row = schedule_->dest_row.get();
+  r.dest_row = v.dest_row;
   r.tokens = shape_.tokens;
   r.topk = shape_.topk;
   return r;
 }
 
 CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place) const {
+  return combine_role(expert_out, own_rows_in_place, view());
+}
+
+CombineRole CommState::combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place,
+                                    const ScheduleView& v) const {
   CombineRole r;
   r.peers = peers();
   r.slots_offset = layout_.slots;
   r.row_bytes = shape_.hidden * 2;
   r.topk = shape_.topk;
-  r.header = schedule_->header.get();
-  r.rows = schedule_->rows.get();
+  r.header = v.header;
+  r.rows = v.rows;
   r.expert_out = reinterpret_cast<const char*>(expert_out);
   r.own_rows_in_place = own_rows_in_place;
-  r.remote_rows = schedule_->remote_rows.get();
-  r.remote_count = schedule_->remote_count.get();
+  r.remote_rows = v.remote_rows;
+  r.remote_count = v.remote_count;
   r.arrivals_offset = layout_.arrivals;
   r.wait = wait_context();
   return r;
@@ -128,6 +135,24 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
   return l;
 }
 
+DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, const ScheduleView& v, size_t src_offset,
+                                         __nv_bfloat16* dst) {
+  if (row_buffer_is_ring()) {
+    throw_invalid("Config.macrobatch", "0 or at least the routed buffer (" + std::to_string(schedule_->buffer_rows) +
+                                           " rows) for the backward's pulls (they write every routed row)",
+                  std::to_string(config_.macrobatch));
+  }
+  DispatchLaunch l;
+  l.role = dispatch_role(dedup, v);
+  l.role.x_offset = src_offset;
+  l.role.row_buffer = reinterpret_cast<char*>(dst);
+  l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
+  l.ctas = ctas;
+  l.counters = counters_.get();
+  l.counter_words = counters_.size();
+  return l;
+}
+
 void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
   launch_dispatch(dispatch_launch(ctas, dedup), stream);
 }
@@ -140,12 +165,26 @@ CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int cta
   return l;
 }
 
+CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place,
+                                       const ScheduleView& v) {
+  CombineLaunch l;
+  l.role = combine_role(expert_out, own_rows_in_place, v);
+  l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
+  l.ctas = ctas;
+  return l;
+}
+
 void CommState::combine(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place, cudaStream_t stream) {
   launch_combine(combine_launch(expert_out, ctas, own_rows_in_place), stream);
 }
 
 void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
                          __nv_bfloat16* y, cudaStream_t stream) {
+  epilogue(topk_w, shared_out, own_rows, y, view(), stream);
+}
+
+void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
+                         __nv_bfloat16* y, const ScheduleView& v, cudaStream_t stream) {
   EpilogueRole r;
   r.slots = reinterpret_cast<const char*>(slots());
   r.topk_w = topk_w;
@@ -155,7 +194,7 @@ void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, c
   r.hidden = shape_.hidden;
   r.topk = shape_.topk;
   if (own_rows != nullptr) {
-    r.own_dest_row = own_dest_row();
+    r.own_dest_row = v.dest_row + static_cast<int64_t>(rank()) * shape_.tokens * shape_.topk;
     r.expert_out = reinterpret_cast<const char*>(own_rows);
   }
   launch_epilogue(r, stream);

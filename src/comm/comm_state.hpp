@@ -53,11 +53,20 @@ class CommState {
   // benchmarks) before launch_dispatch/launch_combine. Each consumes one barrier epoch: launch
   // it exactly once, on every rank.
   DispatchLaunch dispatch_launch(int ctas, bool dedup);
+  // The same over a saved routing table (a layer's forward context, src/megakernel/context.hpp),
+  // pulling from window region `src_offset` ([T, H] bf16: SymmetricLayout::x or ::dy) into `dst`
+  // ([buffer_rows, H]): the backward's pulls of x and dy.
+  DispatchLaunch dispatch_launch(int ctas, bool dedup, const ScheduleView& view, size_t src_offset,
+                                 __nv_bfloat16* dst);
   // The roles alone (no barrier epoch consumed): what dispatch_launch / combine_launch carry,
   // and what the fused kernel runs beside its own barriers.
   DispatchRole dispatch_role(bool dedup);
+  DispatchRole dispatch_role(bool dedup, const ScheduleView& view);
   CombineRole combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place) const;
+  CombineRole combine_role(const __nv_bfloat16* expert_out, bool own_rows_in_place, const ScheduleView& view) const;
   CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place);
+  CombineLaunch combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place,
+                               const ScheduleView& view);
   // Push expert_out [buffer_rows, H] rows to their slots, then barrier. own_rows_in_place: only
   // the rows of other ranks' tokens move; the epilogue must then be given the same expert_out.
   void combine(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place, cudaStream_t stream);
@@ -65,11 +74,18 @@ class CommState {
   // (the own rank's (t, k) rows are read there), nullptr when combine filled every slot.
   void epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
                 __nv_bfloat16* y, cudaStream_t stream);
+  // The same over a saved routing table (own_rows' rows are named by view.dest_row).
+  void epilogue(const float* topk_w, const __nv_bfloat16* shared_out, const __nv_bfloat16* own_rows,
+                __nv_bfloat16* y, const ScheduleView& view, cudaStream_t stream);
   // Synchronises `stream`, returns (and clears) the first device-side error. Stream-ordered
   // (no legacy-default-stream copies), so it works with non-blocking streams.
   std::optional<Error> take_error(cudaStream_t stream);
 
   // ---- accessors ----
+  // Device memory beside the window: the schedule, the row buffer, counters and records.
+  size_t device_bytes() const {
+    return schedule_->bytes() + row_buffer_.bytes() + counters_.bytes() + syncs_.bytes() + error_.bytes();
+  }
   const LayerShape& shape() const { return shape_; }
   const Config& config() const { return config_; }
   int rank() const { return window_->peers().rank; }
@@ -80,6 +96,9 @@ class CommState {
   ScheduleBuffers& schedule_buffers() { return *schedule_; }
   __nv_bfloat16* x_staging() const { return reinterpret_cast<__nv_bfloat16*>(window_->local() + layout_.x); }
   const __nv_bfloat16* slots() const { return reinterpret_cast<const __nv_bfloat16*>(window_->local() + layout_.slots); }
+  __nv_bfloat16* dy_staging() const { return reinterpret_cast<__nv_bfloat16*>(window_->local() + layout_.dy); }
+  float* topk_w_staging() const { return reinterpret_cast<float*>(window_->local() + layout_.topk_w); }
+  float* dtopk_landing() const { return reinterpret_cast<float*>(window_->local() + layout_.dtopk); }
   char* window_local() const { return window_->local(); }
   // [T, K] this rank's row of each own entry (t, k), -1 where another rank owns the expert
   // (the schedule's dest_row for this rank's tokens; EpilogueRole::own_dest_row).

@@ -35,12 +35,20 @@ struct PeerMap {
 //   slots        bf16   [T, K, H]       combine slots (token, k), pushed by the expert owners
 //   arrivals     uint32 [T]             rows pushed into token t's slots this pass (the fused
 //                                       forward's top-k sum waits on them; zeroed before each pass)
+//   dy           bf16   [T, H]          the backward's staged output gradient (pulled like x)
+//   topk_w       fp32   [T, K]          the backward's staged router weights (read per pulled row)
+//   dtopk        fp32   [T, K]          d topk_w of each (t, k), written by the row's holder
 struct SymmetricLayout {
   size_t flags = 0;
   size_t topk[2] = {0, 0};
   size_t x = 0;
   size_t slots = 0;
   size_t arrivals = 0;
+  // The backward's: dy [T, H] bf16 staged for the pulls, topk_w [T, K] fp32 (the pulling rank
+  // reads each row's router weight), dtopk [T, K] fp32 (each row's d topk_w lands here).
+  size_t dy = 0;
+  size_t topk_w = 0;
+  size_t dtopk = 0;
   size_t total = 0;
 
   static SymmetricLayout make(const LayerShape& s) {
@@ -59,6 +67,9 @@ struct SymmetricLayout {
     l.x = take(static_cast<size_t>(s.tokens) * row);
     l.slots = take(static_cast<size_t>(s.tokens) * s.topk * row);
     l.arrivals = take(static_cast<size_t>(s.tokens) * sizeof(uint32_t));
+    l.dy = take(static_cast<size_t>(s.tokens) * row);
+    l.topk_w = take(static_cast<size_t>(s.tokens) * s.topk * sizeof(float));
+    l.dtopk = take(static_cast<size_t>(s.tokens) * s.topk * sizeof(float));
     l.total = at;
     return l;
   }

@@ -367,6 +367,13 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
   MOK_CUDA_CHECK(cudaMemcpy(token_ids.get(), ids.data(), token_ids.bytes(), cudaMemcpyHostToDevice));
 }
 
+size_t ScheduleBuffers::bytes() const {
+  return header.bytes() + expert_offset.bytes() + expert_rows.bytes() + segment_begin.bytes() + rows.bytes() +
+         dest_row.bytes() + minibatch_ranges.bytes() + remote_rows.bytes() + remote_count.bytes() + token_key.bytes() +
+         token_ids.bytes() + token_order.bytes() + keys_in.bytes() + keys_out.bytes() + vals_in.bytes() +
+         vals_out.bytes() + owner_rows.bytes() + sort_temp.bytes();
+}
+
 ScheduleView ScheduleBuffers::view() const {
   ScheduleView v;
   v.header = header.get();

@@ -80,6 +80,7 @@ class ScheduleBuffers {
  public:
   ScheduleBuffers(const LayerShape& shape, const Config& config);
   ScheduleView view() const;
+  size_t bytes() const;  // device memory of all the buffers below
 
   DeviceBuffer<ScheduleHeader> header;
   DeviceBuffer<int64_t> expert_offset, expert_rows, segment_begin;

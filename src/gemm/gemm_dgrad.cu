@@ -1,6 +1,8 @@
 // dgrad launchers: GEMM 2 dgrad with the SwiGLU backward fused, and GEMM 1 dgrad (sm_90a).
 #include <algorithm>
 
+#include "mok/error.hpp"
+
 #include "gemm/grouped_gemm.hpp"
 #include "gemm/sm90_kinds_rows.cuh"
 #include "gemm/sm90_launch.cuh"
@@ -24,6 +26,9 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   p.du = host::map_bf16(a.du, 0, R, I, 64, 64, "du");
   p.g = a.g;
   p.u = a.u;
+  p.row_w = a.row_w;
+  p.dw_part = a.dw_part;
+  p.col_tiles = static_cast<int>(dgrad_hidden_col_tiles(I));
   p.g_pf = host::map_bf16(a.g, 0, R, I, 64, 128, "g");
   p.u_pf = host::map_bf16(a.u, 0, R, I, 64, 128, "u");
   p.sched = host::row_scheduler(a.seg, I, 256, kGroupM);
@@ -32,7 +37,12 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   // The L2 prefetch of g, u goes out when the producer loads K step k_steps - kDhPrefetchAhead
   // (gemm_config.hpp).
   p.prefetch_at = kDhPrefetchAhead > 0 ? std::max(p.k_steps - kDhPrefetchAhead, 0) : -1;
-  host::launch_row_kind<DgradHiddenKind>(p, launch, stream);
+  if (a.row_w != nullptr) {
+    if (a.dw_part == nullptr) throw_invalid("dw_part", "a device array [buffer_rows, ceil(I/256)] with row_w", "nullptr");
+    host::launch_row_kind<DgradHiddenRoutedKind>(p, launch, stream);
+  } else {
+    host::launch_row_kind<DgradHiddenKind>(p, launch, stream);
+  }
 }
 
 void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t stream) {

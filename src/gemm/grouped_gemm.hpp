@@ -63,9 +63,15 @@ struct Gemm2Args {
   bf16* out = nullptr;
 };
 
-// dgrad of GEMM 2 with the SwiGLU backward fused: dh = dys[r] . W_down[e] (fp32), then
+// dgrad of GEMM 2 with the SwiGLU backward fused (docs/numerics.md Backward): per row r,
+// dhr = dys[r] . W_down[e] (fp32), dh = w_r * dhr with w_r = row_w[r] (1 without row_w), then
 // dg = bf16(dh*u*s*(1+g*(1-s))), du = bf16(dh*g*s), s = sigmoid(g), from the saved g, u.
-// dys [buffer_rows, H]; W_down [E, H, I]; g, u, dg, du [buffer_rows, I].
+// The routed backward passes the UNSCALED dy rows as `dys` and the rows' router weights as
+// row_w; the epilogue then also writes, from the same accumulator and h = bf16(silu(g)*u),
+//   dw_part[r * ceil(I/256) + n] = sum over the tile's columns i of dhr[i] * h[i]  (fp32: the
+//   part of d topk_w of row r in column tile n; the caller sums the tiles in order).
+// dys [buffer_rows, H]; W_down [E, H, I]; g, u, dg, du [buffer_rows, I]; row_w [buffer_rows];
+// dw_part [buffer_rows, ceil(I/256)] (required with row_w). The shared expert: row_w nullptr.
 struct DgradHiddenArgs {
   Segments seg;
   int64_t hidden = 0, intermediate = 0;
@@ -75,7 +81,11 @@ struct DgradHiddenArgs {
   const bf16* u = nullptr;
   bf16* dg = nullptr;
   bf16* du = nullptr;
+  const float* row_w = nullptr;
+  float* dw_part = nullptr;
 };
+// Column tiles of the dh GEMM: the second dimension of DgradHiddenArgs::dw_part.
+inline int64_t dgrad_hidden_col_tiles(int64_t intermediate) { return (intermediate + 255) / 256; }
 
 // dgrad of GEMM 1: dx[r] = bf16([dg | du][r] . [W_gate[e] ; W_up[e]]), one fp32 sum over
 // the gate half then the up half. dg, du [buffer_rows, I]; W_gate, W_up [E, I, H];

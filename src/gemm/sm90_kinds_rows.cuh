@@ -309,6 +309,9 @@ struct DgradHiddenParams {
   CUtensorMap dg, du;  // [rows, I], box 64 x 64
   const bf16* g;       // [rows, I]
   const bf16* u;
+  const float* row_w;  // [rows] router weight of each row (DgradHiddenRoutedKind)
+  float* dw_part;      // [rows, col_tiles] d topk_w parts (DgradHiddenRoutedKind)
+  int col_tiles;       // ceil(I / 256)
   CUtensorMap g_pf, u_pf;  // g, u [rows, I], box 64 x 128: L2 prefetch of a tile's epilogue inputs
   RowScheduler sched;  // n_tiles = ceil(I / 256)
   int k_steps;         // H / 64
@@ -351,39 +354,40 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   // Columns [128*Half, 128*Half + 128) of the tile: acc(i) <- dg pair, acc(i+1) <- du pair.
   // g, u are loaded in chunks of 8 pairs (16 loads in flight per thread; 4 pairs left the
   // epilogue waiting on 16 dependent rounds of memory latency, docs/gemm.md trace).
-  template <int Half, class Acc>
-  __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    constexpr int kChunk = 8;  // pairs: 4 column blocks x 2 rows
-    // One base address per row of this thread; a column block is then a constant offset
-    // (16 bytes per block), so the loads carry immediate offsets instead of address registers.
-    const int col_base = 256 * t.n_tile + ctx.col(16 * Half);
+  // w[v1]: the router weight of the thread's row v1 (1 without row_w); part[v1] += dhr * h over
+  // the thread's columns when `parts` (the d topk_w part of the row).
+  template <int Half, bool kScaled, class Acc>
+  __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                              const float (&w)[2], float (&part)[2]) {
+    // Pairs per chunk: 4 column blocks x 2 rows. The routed epilogue's weights, parts and h
+    // take the registers of half a chunk (8 pairs there spilled ~330 bytes beside the 128
+    // accumulator registers).
+    constexpr int kChunk = kScaled ? 4 : 8;
     const unsigned int* g_row[2];
     const unsigned int* u_row[2];
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int64_t off = (t.row0 + ctx.row_in_tile(v1)) * int64_t{p.inter} + col_base;
-      g_row[v1] = reinterpret_cast<const unsigned int*>(p.g + off);
-      u_row[v1] = reinterpret_cast<const unsigned int*>(p.u + off);
-    }
+    row_pointers<Half>(p, t, ctx, g_row, u_row);
 #pragma unroll
     for (int q0 = 0; q0 < 32; q0 += kChunk) {
       asm volatile("" ::: "memory");  // keep the chunk's loads from being hoisted above the previous chunk
       uint32_t g2[kChunk], u2[kChunk];
-#pragma unroll
-      for (int q = 0; q < kChunk; ++q) {
-        const int jj = (q0 + q) / 2, v1 = q % 2;  // column block within the half
-        const bool in = 256 * t.n_tile + 128 * Half + 8 * jj < p.inter;  // whole 8-column blocks (I % 64 == 0)
-        g2[q] = in ? __ldg(g_row[v1] + 4 * jj) : 0u;
-        u2[q] = in ? __ldg(u_row[v1] + 4 * jj) : 0u;
-      }
+      load_chunk<Half>(p, t, q0, g_row, u_row, g2, u2);
 #pragma unroll
       for (int q = 0; q < kChunk; ++q) {
         const int i = 4 * (16 * Half + (q0 + q) / 2) + 2 * (q % 2);
         const bool real = ctx.row_in_tile(q % 2) < t.real_rows;
         const float2 g = unpack_bf16x2(g2[q]), u = unpack_bf16x2(u2[q]);
         float dg0, du0, dg1, du1;
-        swiglu_bwd(acc(i), g.x, u.x, dg0, du0);
-        swiglu_bwd(acc(i + 1), g.y, u.y, dg1, du1);
+        if constexpr (kScaled) {
+          // d topk_w part dhr . h (h rebuilt as the forward rounds it), then dh = w * dhr.
+          float h0, h1;
+          swiglu_bwd_routed(acc(i), w[q % 2], g.x, u.x, dg0, du0, h0);
+          swiglu_bwd_routed(acc(i + 1), w[q % 2], g.y, u.y, dg1, du1, h1);
+          part[q % 2] += acc(i) * h0;
+          part[q % 2] += acc(i + 1) * h1;
+        } else {
+          swiglu_bwd(acc(i), g.x, u.x, dg0, du0);
+          swiglu_bwd(acc(i + 1), g.y, u.y, dg1, du1);
+        }
         acc(i) = __uint_as_float(real ? pack_bf16x2(dg0, dg1) : 0u);
         acc(i + 1) = __uint_as_float(real ? pack_bf16x2(du0, du1) : 0u);
       }
@@ -393,10 +397,76 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
     store_packed<16 * Half, 1, 2 * Half + 1>(ctx, acc, &p.du, col0, p.inter, t.row0);
   }
 
+  // One base address per row of this thread; a column block is then a constant offset
+  // (16 bytes per block), so the loads carry immediate offsets instead of address registers.
+  template <int Half>
+  __device__ static void row_pointers(const Params& p, const RowTile& t, const EpiCtx& ctx, const unsigned int* (&g_row)[2],
+                                      const unsigned int* (&u_row)[2]) {
+    const int col_base = 256 * t.n_tile + ctx.col(16 * Half);
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int64_t off = (t.row0 + ctx.row_in_tile(v1)) * int64_t{p.inter} + col_base;
+      g_row[v1] = reinterpret_cast<const unsigned int*>(p.g + off);
+      u_row[v1] = reinterpret_cast<const unsigned int*>(p.u + off);
+    }
+  }
+  template <int Half, int kChunk>
+  __device__ static void load_chunk(const Params& p, const RowTile& t, int q0, const unsigned int* (&g_row)[2],
+                                    const unsigned int* (&u_row)[2], uint32_t (&g2)[kChunk],
+                                    uint32_t (&u2)[kChunk]) {
+#pragma unroll
+    for (int q = 0; q < kChunk; ++q) {
+      const int jj = (q0 + q) / 2, v1 = q % 2;  // column block within the half
+      const bool in = 256 * t.n_tile + 128 * Half + 8 * jj < p.inter;  // whole 8-column blocks (I % 64 == 0)
+      g2[q] = in ? __ldg(g_row[v1] + 4 * jj) : 0u;
+      u2[q] = in ? __ldg(u_row[v1] + 4 * jj) : 0u;
+    }
+  }
+
+  // Two epilogues (compile-time, so each keeps only the registers it needs): this one, and
+  // the routed one of DgradHiddenRoutedKind below (scaled dh and the d topk_w parts).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    swiglu_backward_half<0>(p, t, ctx, acc);
-    swiglu_backward_half<1>(p, t, ctx, acc);
+    epilogue_as<false>(p, t, ctx, acc);
+  }
+  template <bool kScaled, class Acc>
+  __device__ static void epilogue_as(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    float w[2] = {1.0f, 1.0f}, part[2] = {0.0f, 0.0f};
+    if constexpr (kScaled) {
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int r = ctx.row_in_tile(v1);
+        w[v1] = r < t.real_rows ? __ldg(p.row_w + t.row0 + r) : 0.0f;
+      }
+    }
+    swiglu_backward_half<0, kScaled>(p, t, ctx, acc, w, part);
+    swiglu_backward_half<1, kScaled>(p, t, ctx, acc, w, part);
+    if constexpr (kScaled) {
+      // The row's part over the tile: the thread's columns in fragment order, then the quad
+      // (the 4 threads of a row) in a fixed butterfly: every lane ends with the same bits.
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        part[v1] += __shfl_xor_sync(0xffffffffu, part[v1], 1);
+        part[v1] += __shfl_xor_sync(0xffffffffu, part[v1], 2);
+        const int r = ctx.row_in_tile(v1);
+        if (ctx.tid % 4 == 0 && r < t.real_rows) {
+          p.dw_part[(t.row0 + r) * int64_t{p.col_tiles} + t.n_tile] = part[v1];
+        }
+      }
+    }
+  }
+};
+
+// The routed rows' dgrad (numerics.md Backward steps 2-4): dys are the unscaled dy rows, the
+// epilogue scales dhr by the row's router weight and writes the d topk_w parts. A kind of its
+// own so the plain epilogue above keeps its registers (the routed one spills 40 bytes at
+// cluster 1: weights, parts and the rebuilt h beside the 128 accumulator registers).
+template <int C>
+struct DgradHiddenRoutedKind : DgradHiddenKind<C> {
+  using Base = DgradHiddenKind<C>;
+  template <class Acc>
+  __device__ static void epilogue(const typename Base::Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    Base::template epilogue_as<true>(p, t, ctx, acc);
   }
 };
 

@@ -34,6 +34,17 @@ __device__ inline void swiglu_bwd(float dh, float g, float u, float& dg, float& 
   du = dh * g * s;
 }
 
+// The routed row's step of numerics.md Backward: from the raw dhr = dy . W_down and the row's
+// router weight w: dh = w * dhr, dg, du as swiglu_bwd, and h = bf16(silu(g) * u) rebuilt with
+// the bits of the forward (the same sigmoid value feeds both).
+__device__ inline void swiglu_bwd_routed(float dhr, float w, float g, float u, float& dg, float& du, float& h) {
+  const float s = sigmoid_f32(g);
+  const float dh = w * dhr;
+  dg = dh * u * s * (1.0f + g * (1.0f - s));
+  du = dh * g * s;
+  h = __bfloat162float(__float2bfloat16_rn((g * s) * u));
+}
+
 __device__ inline uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // round to nearest even, each half
   return *reinterpret_cast<uint32_t*>(&v);

@@ -10,6 +10,10 @@ struct mok_workspace {
   std::unique_ptr<mok::Workspace> ws;
 };
 
+struct mok_context {
+  std::unique_ptr<mok::Context> ctx;
+};
+
 namespace {
 
 thread_local std::string g_last_error;
@@ -114,21 +118,56 @@ mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_strea
   return guarded([&] { mok::schedule(deref(ws), topk_idx, stream_of(stream)); });
 }
 
-mok_status_t mok_forward(mok_workspace_t ws, const void* x, const float* topk_w, void* y,
+mok_status_t mok_workspace_bytes(mok_workspace_t ws, uint64_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    *bytes = deref(ws).device_bytes();
+  });
+}
+
+mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, uint64_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    *bytes = mok::Context::bytes(to_shape(shape), to_config(config));
+  });
+}
+
+mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, mok_context_t* out) {
+  return guarded([&] {
+    require(out, "out");
+    *out = nullptr;
+    *out = new mok_context{mok::Context::create(deref(ws), stream_of(stream))};
+  });
+}
+
+mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, mok_context_t* out) {
+  return guarded([&] {
+    require(out, "out");
+    *out = nullptr;
+    *out = new mok_context{mok::Context::create(deref(ws), memory, static_cast<size_t>(bytes))};
+  });
+}
+
+mok_status_t mok_context_destroy(mok_context_t ctx) {
+  return guarded([&] { delete ctx; });
+}
+
+mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, void* y,
                          const mok_expert_weights_t* weights, mok_stream_t stream) {
   return guarded([&] {
-    mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<mok::bf16*>(y)};
+    mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<mok::bf16*>(y),
+                          ctx != nullptr ? ctx->ctx.get() : nullptr};
     mok::forward(deref(ws), args, to_weights(weights), stream_of(stream));
   });
 }
 
-mok_status_t mok_backward(mok_workspace_t ws, const void* x, const float* topk_w, const void* dy, void* dx,
-                          float* dtopk_w, const mok_expert_weights_t* weights, const mok_weight_grads_t* grads,
-                          mok_stream_t stream) {
+mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, const void* dy,
+                          void* dx, float* dtopk_w, const mok_expert_weights_t* weights,
+                          const mok_weight_grads_t* grads, mok_stream_t stream) {
   return guarded([&] {
     require(grads, "grads");
     mok::BackwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<const mok::bf16*>(dy),
-                           static_cast<mok::bf16*>(dx), dtopk_w};
+                           static_cast<mok::bf16*>(dx), dtopk_w, ctx != nullptr ? ctx->ctx.get() : nullptr};
     mok::WeightGrads g;
     g.mode = grads->accumulate_fp32 ? mok::GradMode::kAccumulateFp32 : mok::GradMode::kWriteBf16;
     g.gate = grads->gate;

@@ -1,4 +1,5 @@
 // mok::Workspace and mok::schedule on the NCCL device API (DESIGN §2 step 1, §5).
+#include <atomic>
 #include <cstdio>
 #include <string>
 
@@ -41,6 +42,13 @@ void check_communicator(const LayerShape& shape, ncclComm* comm, int device) {
 void finish_impl(Workspace::Impl& impl, int64_t resident) {
   impl.forward = std::make_unique<megakernel::ForwardBuffers>(impl.shape, impl.config,
                                                               impl.state->view().buffer_rows, resident);
+  impl.backward = std::make_unique<megakernel::BackwardBuffers>(impl.shape, impl.state->view().buffer_rows);
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The workspace's own context (forwards given none), then a device sync as above.
+void add_own_context(Workspace& ws) {
+  ws.impl().own_context = Context::create(ws, cudaStream_t{nullptr});
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -50,6 +58,8 @@ std::unique_ptr<Workspace::Impl> new_impl(const LayerShape& shape, const Config&
   impl->config = config;
   impl->device = device;
   impl->forward_path = megakernel::forward_path_from_env();
+  static std::atomic<uint64_t> next_serial{1};
+  impl->serial = next_serial.fetch_add(1);
   return impl;
 }
 
@@ -81,6 +91,8 @@ Workspace::~Workspace() {
         std::fprintf(stderr, "mok: %s (tearing down anyway)\n", e.what());
       }
     }
+    impl_->own_context.reset();
+    impl_->backward.reset();
     impl_->forward.reset();
     impl_->state.reset();
   }
@@ -96,7 +108,9 @@ std::unique_ptr<Workspace> Workspace::create(const LayerShape& shape, const Conf
   const int64_t resident = resident_rows(*impl);
   impl->state = std::make_unique<comm::CommState>(shape, config, comm, resident);
   finish_impl(*impl, resident);
-  return std::unique_ptr<Workspace>(new Workspace(std::move(impl)));
+  std::unique_ptr<Workspace> ws(new Workspace(std::move(impl)));
+  add_own_context(*ws);
+  return ws;
 }
 
 namespace host {
@@ -117,10 +131,12 @@ std::unique_ptr<Workspace> create_simulated_workspace(const LayerShape& shape, c
   auto window = std::make_unique<comm::SymmetricWindow>(group, rank, comm::CommState::window_bytes(shape));
   impl->state = std::make_unique<comm::CommState>(shape, config, std::move(window), resident);
   finish_impl(*impl, resident);  // ends with the device sync
+  std::unique_ptr<Workspace> ws = Workspace::adopt(std::move(impl));
+  add_own_context(*ws);  // ends with a device sync too
   // Last: no rank launches a kernel that waits on its peers while another is still inside a
   // device-wide sync above (that sync would wait for the spinning kernel: a deadlock).
   group.barrier(rank, "workspace creation");
-  return Workspace::adopt(std::move(impl));
+  return ws;
 }
 
 }  // namespace host
@@ -135,6 +151,12 @@ void Workspace::check() {
   DeviceGuard guard(impl_->device);
   if (auto err = impl_->state->take_error(impl_->last_stream)) throw *err;
   megakernel::check_gemm_errors(*impl_->forward, impl_->last_stream);
+}
+
+size_t Workspace::device_bytes() const {
+  const Impl& i = *impl_;
+  return comm::CommState::window_bytes(i.shape) + i.state->device_bytes() + i.forward->bytes() +
+         i.backward->bytes() + (i.own_context ? i.own_context->bytes() : 0);
 }
 
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream) {

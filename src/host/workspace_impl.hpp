@@ -11,11 +11,30 @@
 
 #include "comm/comm_state.hpp"
 #include "comm/simulated_group.hpp"
+#include "megakernel/context.hpp"
 #include "megakernel/fused_forward.hpp"
+#include "megakernel/staged_backward.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
 
 namespace mok {
+
+// One layer's forward context (include/mok/api.hpp): its memory block and what is in it.
+struct Context::Impl {
+  enum class State { kEmpty, kSaved, kConsumed };
+  uint64_t workspace_serial = 0;  // the Workspace::Impl::serial of its workspace
+  int device = 0;
+  megakernel::ContextLayout layout;
+  char* base = nullptr;
+  size_t bytes = 0;
+  bool owned = false;             // mok allocated `base` (stream-ordered) and frees it
+  cudaStream_t stream = nullptr;  // the stream of the last use (the free is ordered after it)
+  State state = State::kEmpty;
+  // false when the forward ran the macrobatch ring (its g, u are not all in the block; the
+  // backward's recompute of the rest is not built yet)
+  bool complete = true;
+  megakernel::SavedContext saved;
+};
 
 struct Workspace::Impl {
   LayerShape shape;
@@ -23,7 +42,11 @@ struct Workspace::Impl {
   int device = 0;
   ncclComm_t comm = nullptr;
   std::unique_ptr<comm::CommState> state;
-  std::unique_ptr<megakernel::ForwardBuffers> forward;  // GEMM buffers and saved context
+  std::unique_ptr<megakernel::ForwardBuffers> forward;  // the forward's GEMM buffers
+  std::unique_ptr<megakernel::BackwardBuffers> backward;  // the backward's scratch
+  // The context of forwards given none (ForwardArgs::context = nullptr), created with the workspace.
+  std::unique_ptr<Context> own_context;
+  uint64_t serial = 0;  // unique per workspace of the process: the contexts it made carry it
   // Which forward mok::forward runs: the fused kernel (default) or the staged launches
   // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
   megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;

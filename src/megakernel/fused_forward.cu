@@ -308,15 +308,17 @@ Plan make_plan(const comm::CommState& state, const ForwardBuffers& b, const Forw
 }
 
 FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args,
-                               const ExpertWeights& w, const Plan& plan) {
+                               const ExpertWeights& w, const SavedContext& save, const Plan& plan) {
   const FusedForwardOptions& o = plan.o;
   const LayerShape& s = state.shape();
   const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate, E = s.local_experts();
   const int64_t R = b.buffer_rows, resident = b.resident_rows;
   const gemm::ErrorSink err{b.gemm_error.get(), static_cast<uint64_t>(o.timeout_s * 1e9)};
   FusedForwardParams p{};
-  p.routed1 = gemm1_params_for(state.row_buffer(), resident, w.gate, w.up, E, b.h.get(), b.g.get(), b.u.get(),
-                               resident, H, I, err);
+  // g, u into the layer's context; with the ring into the ring's slots (backward recomputes the rest)
+  bf16* const g = b.ring() ? b.g.get() : save.g;
+  bf16* const u = b.ring() ? b.u.get() : save.u;
+  p.routed1 = gemm1_params_for(state.row_buffer(), resident, w.gate, w.up, E, b.h.get(), g, u, resident, H, I, err);
   // (with the ring expert_out is one row tile that no store reaches: every row is pushed)
   p.routed2 = gemm2_params_for(b.h.get(), resident, w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err);
   p.ring_tiles = b.ring() ? static_cast<int>(resident / kRowTile) : 0;
@@ -330,8 +332,8 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     gemm::host::check_pointer("ForwardArgs.x", args.x);
     // x itself is the shared expert's row operand: TMA reads rows past T as zeros, exactly
     // the zero padding rows of the staged forward's copy.
-    p.shared1 = gemm1_params_for(args.x, s.tokens, w.shared_gate, w.shared_up, 1, b.shared_h.get(),
-                                 b.shared_g.get(), b.shared_u.get(), b.shared_rows, H, S, err);
+    p.shared1 = gemm1_params_for(args.x, s.tokens, w.shared_gate, w.shared_up, 1, b.shared_h.get(), save.shared_g,
+                                 save.shared_u, b.shared_rows, H, S, err);
     p.shared2 = gemm2_params_for(b.shared_h.get(), b.shared_rows, w.shared_down, 1, b.shared_out.get(), b.shared_rows,
                                  H, S, err);
   }
@@ -514,7 +516,7 @@ ForwardPath forward_path_from_env() {
 const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kStaged ? "staged" : "fused"; }
 
 void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
-                   const FusedForwardOptions& options, cudaStream_t stream) {
+                   const FusedForwardOptions& options, const SavedContext& save, cudaStream_t stream) {
   const Plan plan = make_plan(state, b, args, options);  // bad options throw before anything is enqueued
   const FusedForwardOptions& o = plan.o;
   const int grid = plan.grid;
@@ -532,7 +534,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
     // kernel (after this memset) opens; last pass's adds all came before its sum finished.
     MOK_CUDA_CHECK(cudaMemsetAsync(state.arrivals(), 0, state.shape().tokens * sizeof(uint32_t), stream));
   }
-  FusedForwardParams p = make_params(state, b, args, w, plan);
+  FusedForwardParams p = make_params(state, b, args, w, save, plan);
   MOK_FWD_TRACE(p.trace = sink; p.topk.trace_tokens = sink.tokens; trace_event(1, stream);)
   fused_forward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());

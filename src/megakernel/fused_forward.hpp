@@ -18,6 +18,7 @@
 #include <string>
 
 #include "comm/comm_state.hpp"
+#include "megakernel/context.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
 
@@ -51,13 +52,14 @@ struct FusedForwardOptions {
   bool fused_topk_sum = false;
 };
 
-// One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y; the
-// saved context (g, u, shared g, u, combine slots) stays in the buffers as in staged_forward
-// (with the macrobatch ring every row is pushed: the slots hold the own rank's (t, k) rows too
-// and expert_out is not written).
+// One forward pass on `stream` after mok::schedule() (no host synchronisation). Writes y and
+// the saved g, u, shared g, u into `save` (a layer's context; with the macrobatch ring the routed
+// g, u stay in the ring's slots of `buffers` instead). With the ring every row is pushed: the
+// slots hold the own rank's (t, k) rows too and expert_out is not written.
 // Throws mok::Error for a grid that cannot be co-resident (grid > SMs, or no GEMM CTA left).
 void fused_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
-                   const ExpertWeights& weights, const FusedForwardOptions& options, cudaStream_t stream);
+                   const ExpertWeights& weights, const FusedForwardOptions& options, const SavedContext& save,
+                   cudaStream_t stream);
 
 // Developer trace (docs/megakernel.md, "The trace build"): in a build with
 // -DMOK_FORWARD_TRACE (cmake -DMOK_FORWARD_TRACE=ON) every fused_forward() records per-CTA

@@ -52,20 +52,19 @@ gemm::Launch gemm_launch(ForwardBuffers& b, const StagedForwardOptions& o) {
 }
 
 void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeights& w, const bf16* rows,
-                      const StagedForwardOptions& o, cudaStream_t stream) {
+                      const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
   const gemm::Launch launch = gemm_launch(b, o);
   if (s.has_shared()) {  // first, as in the fused kernel (hides the dispatch there)
     const gemm::Segments seg{b.shared_offsets.get(), b.shared_rows_dev.get(), 1, b.shared_rows};
     gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, b.shared_x.get(), w.shared_gate, w.shared_up,
-                        b.shared_h.get(), b.shared_g.get(), b.shared_u.get()},
+                        b.shared_h.get(), save.shared_g, save.shared_u},
                        launch, stream);
     gemm::gemm2({seg, s.hidden, s.shared_intermediate, b.shared_h.get(), w.shared_down, b.shared_out.get()}, launch,
                 stream);
   }
   const gemm::Segments seg{b.seg_offsets.get(), b.seg_rows.get(), static_cast<int>(s.local_experts()),
                            b.buffer_rows};
-  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), b.g.get(), b.u.get()}, launch,
-                     stream);
+  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), save.g, save.u}, launch, stream);
   gemm::gemm2({seg, s.hidden, s.intermediate, b.h.get(), w.down, b.expert_out.get()}, launch, stream);
 }
 
@@ -80,13 +79,11 @@ ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows,
       shared_offsets(2),
       shared_rows_dev(1),
       h(resident_rows * s.intermediate),
-      g(resident_rows * s.intermediate),
-      u(resident_rows * s.intermediate),
+      g(resident_rows < rows ? resident_rows * s.intermediate : 0),
+      u(resident_rows < rows ? resident_rows * s.intermediate : 0),
       expert_out((resident_rows < rows ? kRowTile : rows) * s.hidden),
       shared_x(s.has_shared() ? shared_rows * s.hidden : 0),
       shared_h(shared_rows * s.shared_intermediate),
-      shared_g(shared_rows * s.shared_intermediate),
-      shared_u(shared_rows * s.shared_intermediate),
       shared_out(s.has_shared() ? shared_rows * s.hidden : 0),
       gemm_error(1),
       tile_counters(2 * (shared_rows / kRowTile) + 2 * (rows / kRowTile) + 2) {
@@ -119,9 +116,9 @@ int64_t resident_tile(const ForwardBuffers& b, int64_t tile, int64_t padded_rows
 }
 
 void forward_gemms_only(comm::CommState& state, ForwardBuffers& b, const ExpertWeights& w,
-                        const StagedForwardOptions& o, cudaStream_t stream) {
+                        const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
   refuse_ring(state, b, "the GEMMs-alone yardstick");
-  run_expert_gemms(state.shape(), b, w, state.row_buffer(), o, stream);
+  run_expert_gemms(state.shape(), b, w, state.row_buffer(), o, save, stream);
 }
 
 void convert_segments(comm::CommState& state, ForwardBuffers& b, cudaStream_t stream) {
@@ -149,7 +146,7 @@ void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream) {
 }
 
 void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
-                    const StagedForwardOptions& o, cudaStream_t stream) {
+                    const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
   refuse_ring(state, b, "the staged forward");
   const LayerShape& s = state.shape();
   check_router_weights(state, args.topk_w, stream);
@@ -160,7 +157,7 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
                                    cudaMemcpyDeviceToDevice, stream));
   }
   state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
-  run_expert_gemms(s, b, w, state.row_buffer(), o, stream);
+  run_expert_gemms(s, b, w, state.row_buffer(), o, save, stream);
   state.combine(b.expert_out.get(), o.combine_ctas, /*own_rows_in_place=*/true, stream);
   state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, b.expert_out.get(), args.y, stream);
   poison_y_on_error(state, args.y, stream);

@@ -11,6 +11,7 @@
 
 #include "comm/comm_state.hpp"
 #include "comm/device_buffer.hpp"
+#include "megakernel/context.hpp"
 #include "mok/api.hpp"
 
 namespace mok::megakernel {
@@ -26,15 +27,21 @@ struct ForwardBuffers {
   int64_t resident_rows = 0;     // rows of h, g, u: buffer_rows, or the macrobatch ring's rows
   int64_t shared_rows = 0;       // T rounded up to kRowTile (shared expert row buffer)
   bool ring() const { return resident_rows < buffer_rows; }
+  size_t bytes() const {  // device memory of all the buffers below
+    return seg_offsets.bytes() + seg_rows.bytes() + shared_offsets.bytes() + shared_rows_dev.bytes() + h.bytes() +
+           g.bytes() + u.bytes() + expert_out.bytes() + shared_x.bytes() + shared_h.bytes() + shared_out.bytes() +
+           gemm_error.bytes() + tile_counters.bytes();
+  }
   comm::DeviceBuffer<int32_t> seg_offsets, seg_rows;        // [E_local + 1], [E_local] for the GEMMs
   comm::DeviceBuffer<int32_t> shared_offsets, shared_rows_dev;  // one segment of T rows
-  // [resident_rows, I]; g, u: saved context. With the ring, routed row tile t (of the schedule's
-  // padded rows) lives in slot t % (resident_rows / 128); after a pass the slots hold the last
-  // resident_rows / 128 row tiles (see resident_tile).
+  // h [resident_rows, I]. g, u: the macrobatch ring's only (the saved g, u go to the layer's
+  // context, SavedContext): routed row tile t (of the schedule's padded rows) lives in slot
+  // t % (resident_rows / 128); after a pass the slots hold the last resident_rows / 128 row tiles
+  // (see resident_tile). Without the ring they are empty.
   comm::DeviceBuffer<bf16> h, g, u;
   comm::DeviceBuffer<bf16> expert_out;                      // [buffer_rows, H] (ring: [128, H], unused)
   comm::DeviceBuffer<bf16> shared_x;                        // [shared_rows, H], padding rows zero
-  comm::DeviceBuffer<bf16> shared_h, shared_g, shared_u;    // [shared_rows, I_shared]
+  comm::DeviceBuffer<bf16> shared_h;                        // [shared_rows, I_shared]
   comm::DeviceBuffer<bf16> shared_out;                      // [shared_rows, H]
   comm::DeviceBuffer<uint32_t> gemm_error;                  // GEMM error bits (gemm::ErrorBit)
   // Fused forward completion counters, zeroed before each pass: s1_done [shared_rows / 128],
@@ -51,16 +58,16 @@ struct StagedForwardOptions {
 };
 
 // One forward pass on `stream` after mok::schedule(): dedup dispatch, the expert GEMMs, the
-// in-place combine (only other ranks' rows move), the top-k sum. Writes y; g, u (and shared g,
-// u), the expert outputs and the combine slots (other ranks' rows; the own rank's (t, k) rows are
-// the expert_out rows dest_row names) stay in the buffers as the saved context.
+// in-place combine (only other ranks' rows move), the top-k sum. Writes y, and g, u, shared g, u
+// into `save` (the layer's context).
 void staged_forward(comm::CommState& state, ForwardBuffers& buffers, const ForwardArgs& args,
-                    const ExpertWeights& weights, const StagedForwardOptions& options, cudaStream_t stream);
+                    const ExpertWeights& weights, const StagedForwardOptions& options, const SavedContext& save,
+                    cudaStream_t stream);
 
 // Only the expert GEMMs of the pass (shared + routed GEMM1 and GEMM2) on the rows already in
 // the buffers: the "GEMMs alone" time of the benchmark.
 void forward_gemms_only(comm::CommState& state, ForwardBuffers& buffers, const ExpertWeights& weights,
-                        const StagedForwardOptions& options, cudaStream_t stream);
+                        const StagedForwardOptions& options, const SavedContext& save, cudaStream_t stream);
 
 // Where routed row tile `tile` of a pass with `padded_rows` rows sits in h, g, u afterwards: its
 // row tile index there, or -1 when the macrobatch ring no longer holds it (backward recomputes

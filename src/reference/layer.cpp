@@ -129,14 +129,13 @@ void check_saved(const LayerShape& shape, const BasicForwardContext<Elem>& saved
     throw_invalid("saved->schedule", "the schedule of inputs.topk_idx (the context of a "
                   "forward on the same routing)", "a different schedule");
   }
-  const int64_t T = shape.tokens, H = shape.hidden, I = shape.intermediate, K = shape.topk;
+  const int64_t T = shape.tokens, I = shape.intermediate;
   const int64_t Ish = shape.shared_intermediate;
   for (int r = 0; r < ep; ++r) {
     const auto& c = saved.ranks[r];
     const int64_t rows = schedule.ranks[r].padded_rows;
     check_size(rank_arg("saved->g", r), c.g, rows * I, "padded_rows*I");
     check_size(rank_arg("saved->u", r), c.u, rows * I, "padded_rows*I");
-    check_size(rank_arg("saved->o", r), c.o, T * K * H, "T*K*H");
     check_size(rank_arg("saved->shared_g", r), c.shared_g, T * Ish, "T*I_shared");
     check_size(rank_arg("saved->shared_u", r), c.shared_u, T * Ish, "T*I_shared");
   }
@@ -163,8 +162,8 @@ BasicForwardContext<To> convert_context(const BasicForwardContext<From>& c, Fn f
   BasicForwardContext<To> out;
   out.schedule = c.schedule;
   for (const auto& r : c.ranks) {
-    out.ranks.push_back({convert<To>(r.g, fn), convert<To>(r.u, fn), convert<To>(r.o, fn),
-                         convert<To>(r.shared_g, fn), convert<To>(r.shared_u, fn)});
+    out.ranks.push_back({convert<To>(r.g, fn), convert<To>(r.u, fn), convert<To>(r.shared_g, fn),
+                         convert<To>(r.shared_u, fn)});
   }
   return out;
 }

@@ -47,14 +47,13 @@ struct BasicLayerInputs {
 //   g, u       [padded_rows(r), I]: bf16 gate/up pre-activations of every row of r's
 //              expert-major receive buffer (schedule.ranks[r].rows says which (s, t, k) a row
 //              is); padding rows are zero. h is rebuilt from them bit-exactly.
-//   o          [T*K, H]: the combine slots of r's OWN tokens, o[(t*K + k)*H + j] = bf16 output
-//              of expert topk_idx[t,k] for token t (pushed there by the expert's owner).
 //   shared_g, shared_u [T, I_sh]: the shared expert's pre-activations of r's tokens (empty
 //              without a shared expert).
+// The expert outputs (combine slots) are not kept: d topk_w comes from the dgrad's hidden
+// gradient and the rebuilt h (docs/numerics.md "Backward", step 3).
 template <class Elem>
 struct BasicRankContext {
   std::vector<Elem> g, u;
-  std::vector<Elem> o;
   std::vector<Elem> shared_g, shared_u;
 };
 

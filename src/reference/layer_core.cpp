@@ -1,9 +1,11 @@
 // The layer pass by pass, as DESIGN §2 describes it, over all simulated ranks:
 //   forward:  dispatch -> routed MLP per local expert -> combine into the owners' slots
-//             -> shared expert -> fixed-order y epilogue (fmaf, k = 0..K-1)
-//   backward: dys rows pulled per buffer row -> dgrad + SwiGLU backward -> dx rows pushed to
-//             slots (t, k) -> wgrad per expert in canonical row order -> d topk_w dot ->
-//             shared expert -> fixed-order dx epilogue.
+//             -> shared expert -> fixed-order y epilogue (fmaf, k = 0..K-1). The slots live
+//             only for y: the context keeps g, u (and shared g, u) and the schedule.
+//   backward: unscaled dy rows pulled like x -> dgrad (dhr), d topk_w from dhr and the
+//             rebuilt h, SwiGLU backward of w * dhr -> dx rows and d topk_w pushed to slot
+//             (t, k) -> wgrad per expert in canonical row order (dy against hs = bf16(w * h))
+//             -> shared expert (weight 1) -> fixed-order dx epilogue.
 // Ranks and experts run one after the other; the GEMMs inside split over threads.
 #include <cmath>
 
@@ -68,8 +70,9 @@ BasicForwardResult<Real> forward_core(const LayerShape& shape, const CoreWeights
   for (int r = 0; r < ep; ++r) {
     ctx.ranks[r].g.assign(ctx.schedule.ranks[r].padded_rows * I, Real(0));
     ctx.ranks[r].u.assign(ctx.schedule.ranks[r].padded_rows * I, Real(0));
-    ctx.ranks[r].o.assign(T * K * H, Real(0));
   }
+  // The combine slots of every source rank, o[(t*K + k)*H + j]: read by the y epilogue only.
+  std::vector<std::vector<Real>> slots(ep, std::vector<Real>(T * K * H, Real(0)));
 
   // Routed experts, destination rank by destination rank.
   for (int d = 0; d < ep; ++d) {
@@ -85,7 +88,7 @@ BasicForwardResult<Real> forward_core(const LayerShape& shape, const CoreWeights
                   threads);
       for (int64_t r = 0; r < n; ++r) {  // §2.6 combine: push to the owner's slot (t, k)
         const RowRef& row = rs.rows[off + r];
-        Real* slot = ctx.ranks[row.src_rank].o.data() + (row.token * K + row.k) * H;
+        Real* slot = slots[row.src_rank].data() + (row.token * K + row.k) * H;
         std::copy(o.begin() + r * H, o.begin() + (r + 1) * H, slot);
       }
     }
@@ -103,7 +106,7 @@ BasicForwardResult<Real> forward_core(const LayerShape& shape, const CoreWeights
       mlp_forward(sw.view(), in.x[s].data(), T, ctx.ranks[s].shared_g.data(),
                   ctx.ranks[s].shared_u.data(), sh.data(), threads);
     }
-    const std::vector<Real>& o = ctx.ranks[s].o;
+    const std::vector<Real>& o = slots[s];
     const std::vector<Real>& tw = in.topk_w[s];
     std::vector<Real>& y = result.y[s];
     y.assign(T * H, Real(0));
@@ -134,75 +137,68 @@ BasicGradients<Real, Real> backward_core(const LayerShape& shape, const CoreWeig
   grads.dgate.assign(shape.experts * I * H, Real(0));
   grads.dup.assign(shape.experts * I * H, Real(0));
   grads.ddown.assign(shape.experts * H * I, Real(0));
-  // dx slots (t, k) of every source rank, filled by the rows' holders.
+  // dx slots (t, k) of every source rank, filled by the rows' holders; d topk_w likewise.
   std::vector<std::vector<Real>> dx_slot(ep, std::vector<Real>(T * K * H, Real(0)));
+  grads.dtopk_w.assign(ep, std::vector<Real>(T * K, Real(0)));
 
   for (int d = 0; d < ep; ++d) {
     const RankSchedule& rs = ctx.schedule.ranks[d];
     const std::vector<Real> buf = dispatch(shape, rs, in.x);  // x rows again, for wgrad
+    // Step 1: the UNSCALED dy rows, pulled from the tokens' owners like x.
+    const std::vector<Real> dy_buf = dispatch(shape, rs, dy);
     for (int64_t le = 0; le < e_local; ++le) {
       const int64_t e = d * e_local + le;
       const int64_t off = rs.expert_offset[le], n = rs.expert_rows[le];
-      // Step 1: dys = bf16(topk_w[t,k] * dy[t]), pulled from the token's owner.
-      std::vector<Real> dys(static_cast<size_t>(n * H));
+      if (n == 0) continue;  // no rows: the expert's gradients stay zero
+      std::vector<Real> row_w(static_cast<size_t>(n));
       for (int64_t r = 0; r < n; ++r) {
         const RowRef& row = rs.rows[off + r];
-        const Real weight = in.topk_w[row.src_rank][row.token * K + row.k];
-        const Real* dy_row = dy[row.src_rank].data() + row.token * H;
-        for (int64_t j = 0; j < H; ++j) dys[r * H + j] = act(weight * dy_row[j]);
+        row_w[r] = in.topk_w[row.src_rank][row.token * K + row.k];
       }
-      // Steps 2-4, then push the dx rows to their slots.
-      std::vector<Real> dgu(static_cast<size_t>(n * 2 * I)), h(static_cast<size_t>(n * I));
-      std::vector<Real> dx_rows(static_cast<size_t>(n * H));
-      if (n == 0) continue;  // no rows: the expert's gradients stay zero
+      // Steps 2-6, then push the dx rows and d topk_w to their slots (t, k).
+      std::vector<Real> dgu(static_cast<size_t>(n * 2 * I)), hs(static_cast<size_t>(n * I));
+      std::vector<Real> dx_rows(static_cast<size_t>(n * H)), dw(static_cast<size_t>(n));
       const ExpertCopy<Real> expert = routed_expert(shape, w, e);
       const MlpWeights<Real> mw = expert.view();
-      mlp_backward(mw, dys.data(), ctx.ranks[d].g.data() + off * I,
-                   ctx.ranks[d].u.data() + off * I, n, dgu.data(), h.data(), dx_rows.data(),
-                   threads);
+      const Real* dy_rows = dy_buf.data() + off * H;
+      mlp_backward(mw, dy_rows, row_w.data(), ctx.ranks[d].g.data() + off * I,
+                   ctx.ranks[d].u.data() + off * I, n, dgu.data(), hs.data(), dx_rows.data(),
+                   dw.data(), threads);
       for (int64_t r = 0; r < n; ++r) {
         const RowRef& row = rs.rows[off + r];
         Real* slot = dx_slot[row.src_rank].data() + (row.token * K + row.k) * H;
         std::copy(dx_rows.begin() + r * H, dx_rows.begin() + (r + 1) * H, slot);
+        grads.dtopk_w[row.src_rank][row.token * K + row.k] = dw[r];
       }
       // Weight gradients over the expert's rows in canonical (buffer) order.
-      mlp_wgrad(mw, buf.data() + off * H, dys.data(), dgu.data(), h.data(), n,
+      mlp_wgrad(mw, buf.data() + off * H, dy_rows, dgu.data(), hs.data(), n,
                 grads.dgate.data() + e * I * H, grads.dup.data() + e * I * H,
                 grads.ddown.data() + e * H * I, threads);
     }
   }
 
   grads.dx.resize(ep);
-  grads.dtopk_w.resize(ep);
   if (Ish > 0) {
     grads.shared_dgate.resize(ep);
     grads.shared_dup.resize(ep);
     grads.shared_ddown.resize(ep);
   }
   for (int s = 0; s < ep; ++s) {
-    // Step 5: d topk_w[t,k] = dot(dy[t], o_(t,k)), j ascending.
-    const std::vector<Real>& o = ctx.ranks[s].o;
-    grads.dtopk_w[s].assign(T * K, Real(0));
-    for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) {
-        Real acc = Real(0);
-        for (int64_t j = 0; j < H; ++j) acc += dy[s][t * H + j] * o[(t * K + k) * H + j];
-        grads.dtopk_w[s][t * K + k] = acc;
-      }
-    }
-    // Shared expert: dys = dy unscaled; weight gradients are this rank's partial sums.
+    // Shared expert: weight 1 (dh = dhr, hs = h), no d topk_w; its weight gradients are this
+    // rank's partial sums.
     std::vector<Real> dx_sh;
     if (Ish > 0) {
       const ExpertCopy<Real> shared_copy = shared_expert(shape, w);
       const MlpWeights<Real> sw = shared_copy.view();
-      std::vector<Real> dgu(static_cast<size_t>(T * 2 * Ish)), h(static_cast<size_t>(T * Ish));
+      std::vector<Real> dgu(static_cast<size_t>(T * 2 * Ish)), hs(static_cast<size_t>(T * Ish));
       dx_sh.assign(T * H, Real(0));
-      mlp_backward(sw, dy[s].data(), ctx.ranks[s].shared_g.data(), ctx.ranks[s].shared_u.data(),
-                   T, dgu.data(), h.data(), dx_sh.data(), threads);
+      mlp_backward(sw, dy[s].data(), static_cast<const Real*>(nullptr),
+                   ctx.ranks[s].shared_g.data(), ctx.ranks[s].shared_u.data(), T, dgu.data(),
+                   hs.data(), dx_sh.data(), static_cast<Real*>(nullptr), threads);
       grads.shared_dgate[s].assign(Ish * H, Real(0));
       grads.shared_dup[s].assign(Ish * H, Real(0));
       grads.shared_ddown[s].assign(H * Ish, Real(0));
-      mlp_wgrad(sw, in.x[s].data(), dy[s].data(), dgu.data(), h.data(), T,
+      mlp_wgrad(sw, in.x[s].data(), dy[s].data(), dgu.data(), hs.data(), T,
                 grads.shared_dgate[s].data(), grads.shared_dup[s].data(),
                 grads.shared_ddown[s].data(), threads);
     }

@@ -2,9 +2,11 @@
 // points of docs/numerics.md) or Real = double (no rounding). Data are held as Real values;
 // in the float variant every stored activation is a bf16 value held exactly in a float.
 //
-// NOTE on fp32 contraction: every dot product of the float variant multiplies two bf16
-// values, whose product is exact in fp32, so a compiler that fuses `acc += a*b` into an FMA
-// produces the same bits. The y epilogue's fmaf is explicit (std::fma).
+// NOTE on fp32 contraction: every GEMM of the float variant multiplies two bf16 values, whose
+// product is exact in fp32, so a compiler that fuses `acc += a*b` into an FMA produces the
+// same bits. The two sums whose products are not exact are written with std::fma (one
+// rounding per step, whatever the compiler): the y epilogue and the d topk_w dot (fp32 dhr
+// against bf16 h).
 #pragma once
 
 #include <algorithm>
@@ -37,7 +39,7 @@ Real swiglu(Real g, Real u) {
   return act(g * sigmoid(g) * u);
 }
 
-// Backward step 3 (SwiGLU backward from the saved g, u).
+// Backward step 4 (SwiGLU backward from the saved g, u).
 template <class Real>
 void swiglu_backward(Real dh, Real g, Real u, Real& dg, Real& du) {
   const Real s = sigmoid(g);
@@ -60,17 +62,26 @@ template <class Real>
 void mlp_forward(const MlpWeights<Real>& w, const Real* x, int64_t n, Real* g, Real* u, Real* o,
                  int threads);
 
-// Backward steps 2-4 on n rows: from dys [n, H] and the saved g, u [n, I], writes
-// dgu [n, 2I] (dg | du, bf16), h [n, I] (rebuilt) and dx [n, H] (bf16).
+// Backward steps 2-6 on n rows, from the UNSCALED dy rows [n, H], the rows' router weights
+// row_w [n] (nullptr for the shared expert: weight 1, no multiply) and the saved g, u [n, I]:
+//   step 2  dhr = dy . W_down (fp32, the unscaled hidden gradient);
+//   step 3  h rebuilt from g, u; dtopk_w[r] = sum_i dhr[i] * h[i] (fma, i ascending), written
+//           only when dtopk_w is not null: the dgrad's own accumulator gives d topk_w, so no
+//           expert output o and no second GEMM are needed;
+//   step 4  dh = row_w[r] * dhr, SwiGLU backward -> dgu [n, 2I] (dg | du, bf16);
+//   step 5  dx [n, H] = bf16([dg | du] . [W_gate ; W_up]);
+//   step 6  hs [n, I] = bf16(row_w[r] * h) (= h without weights), the W_down wgrad operand.
 template <class Real>
-void mlp_backward(const MlpWeights<Real>& w, const Real* dys, const Real* g, const Real* u,
-                  int64_t n, Real* dgu, Real* h, Real* dx, int threads);
+void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, const Real* g,
+                  const Real* u, int64_t n, Real* dgu, Real* hs, Real* dx, Real* dtopk_w,
+                  int threads);
 
-// Weight gradients over the n rows in the given (canonical) order:
-// dgate/dup [I, H] = sum_r dg_r/du_r (x) x_r, ddown [H, I] = sum_r dys_r (x) h_r.
+// Weight gradients over the n rows in the given (canonical) order, from mlp_backward's dgu
+// and hs: dgate/dup [I, H] = sum_r dg_r/du_r (x) x_r, ddown [H, I] = sum_r dy_r (x) hs_r
+// (dy unscaled: the router weight is in hs).
 template <class Real>
-void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dys, const Real* dgu,
-               const Real* h, int64_t n, Real* dgate, Real* dup, Real* ddown, int threads);
+void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dy, const Real* dgu,
+               const Real* hs, int64_t n, Real* dgate, Real* dup, Real* ddown, int threads);
 
 // The public element type of a Real variant: bf16 bits for float, double for double.
 template <class Real>
@@ -102,7 +113,7 @@ BasicGradients<Real, Real> backward_core(const LayerShape& shape, const CoreWeig
                                          const BasicForwardContext<Real>& ctx, int threads);
 
 // DESIGN §2.2: rows of schedule.ranks[rank] copied from their owners' x ([ep][T*H]) into an
-// expert-major [padded_rows, H] buffer; padding rows are zero.
+// expert-major [padded_rows, H] buffer; padding rows are zero. Backward pulls dy the same way.
 template <class Elem>
 std::vector<Elem> dispatch(const LayerShape& shape, const RankSchedule& rs,
                            const std::vector<std::vector<Elem>>& x) {

@@ -143,7 +143,8 @@ void expect_same_everything(const LayerRun& a, const LayerRun& b, const std::str
   for (size_t r = 0; r < a.fwd.ctx.ranks.size(); ++r) {
     expect_same_bits(a.fwd.ctx.ranks[r].g, b.fwd.ctx.ranks[r].g, what + " saved g");
     expect_same_bits(a.fwd.ctx.ranks[r].u, b.fwd.ctx.ranks[r].u, what + " saved u");
-    expect_same_bits(a.fwd.ctx.ranks[r].o, b.fwd.ctx.ranks[r].o, what + " saved o");
+    expect_same_bits(a.fwd.ctx.ranks[r].shared_g, b.fwd.ctx.ranks[r].shared_g, what + " saved shared_g");
+    expect_same_bits(a.fwd.ctx.ranks[r].shared_u, b.fwd.ctx.ranks[r].shared_u, what + " saved shared_u");
   }
 }
 

@@ -2,7 +2,8 @@
 // the layer is smooth and backward must be its exact gradient): dx, d topk_w, routed
 // d gate/up/down and shared d gate/up/down (summed over ranks: the shared weights are one
 // parameter used by every rank). Loss L = sum over ranks of sum(y * R) with random R, so
-// dy = R. Central differences on a random sample of coordinates per tensor.
+// dy = R. Central differences on a random sample of coordinates per tensor. Also: d topk_w
+// (computed from the dgrad and the rebuilt h) equals dot(dy, o) of the forward's expert outputs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -35,18 +36,18 @@ Vec random_vec(std::mt19937_64& rng, int64_t n, double lo, double hi) {
   return v;
 }
 
-Problem make_problem(int64_t shared_inter, uint64_t seed) {
+Problem make_problem(int64_t shared_inter, uint64_t seed, int64_t tokens = 3, int64_t inter = 64) {
   Problem p;
-  p.shape.tokens = 3;
+  p.shape.tokens = tokens;
   p.shape.hidden = 64;
-  p.shape.intermediate = 64;
+  p.shape.intermediate = inter;
   p.shape.shared_intermediate = shared_inter;
   p.shape.experts = 4;
   p.shape.topk = 2;
   p.shape.ep = 2;
   p.config.capacity = 2.0;
   std::mt19937_64 rng(seed);
-  const int64_t T = 3, H = 64, I = 64, E = 4, K = 2;
+  const int64_t T = tokens, H = 64, I = inter, E = 4, K = 2;
   // Scales keep the pre-activations O(1), where silu is far from linear.
   const double s = 2.0 / std::sqrt(double(H));
   p.w.gate = random_vec(rng, E * I * H, -s, s);
@@ -166,6 +167,38 @@ void check_all_gradients(int64_t shared_inter) {
 TEST(ReferenceGradients, FiniteDifferencesWithSharedExpert) { check_all_gradients(64); }
 
 TEST(ReferenceGradients, FiniteDifferencesWithoutSharedExpert) { check_all_gradients(0); }
+
+// d topk_w is computed without the expert outputs, as sum_i dhr[i] * h[i] with dhr = dy . W_down
+// (docs/numerics.md "Backward", step 3). In fp64 it must equal dot(dy[t], o_(t,k)) with o_(t,k)
+// the expert output of a forward. Without a shared expert and with router weights one-hot on
+// slot k, a forward's y is exactly o_(t,k) (fma(1, o, 0) = o, fma(0, o', acc) = acc).
+TEST(ReferenceGradients, DtopkWEqualsDotOfDyWithExpertOutput) {
+  const Problem p = make_problem(0, 21, /*tokens=*/16, /*inter=*/128);
+  const int64_t T = p.shape.tokens, H = p.shape.hidden;
+  const int K = p.shape.topk;
+  const GradientsF64 g = backward_f64(p.shape, p.config, p.w, p.in, p.r, nullptr, 1);
+  double worst = 0.0;
+  for (int k = 0; k < K; ++k) {
+    LayerInputsF64 one_hot = p.in;
+    for (Vec& w : one_hot.topk_w) {
+      for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<int>(i % K) == k ? 1.0 : 0.0;
+    }
+    const ForwardResultF64 f = forward_f64(p.shape, p.config, p.w, one_hot, 1);  // y = o_(t,k)
+    for (int r = 0; r < p.shape.ep; ++r) {
+      for (int64_t t = 0; t < T; ++t) {
+        double want = 0.0;
+        for (int64_t j = 0; j < H; ++j) want += p.r[r][t * H + j] * f.y[r][t * H + j];
+        const double got = g.dtopk_w[r][t * K + k];
+        ASSERT_NE(want, 0.0);
+        const double rel = std::fabs(got - want) / std::fabs(want);
+        worst = std::max(worst, rel);
+        EXPECT_LT(rel, 1e-12) << "rank " << r << " token " << t << " k " << k << ": backward "
+                              << got << ", dot(dy, o) " << want;
+      }
+    }
+  }
+  std::printf("d topk_w vs dot(dy, o): worst relative difference %.2e\n", worst);
+}
 
 // Routed weights of experts that receive no token have exactly zero gradient.
 TEST(ReferenceGradients, UnusedExpertHasZeroGradient) {

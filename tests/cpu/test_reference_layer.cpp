@@ -158,18 +158,24 @@ NaiveRow naive_forward(const NaiveExpert& e, const uint16_t* v) {
 }
 
 struct NaiveRowGrad {
-  std::vector<float> dys, dg, du, dx;
+  std::vector<float> dg, du, dx, hs;
+  float dtopk_w = 0.0f;
 };
 
-NaiveRowGrad naive_backward(const NaiveExpert& e, const NaiveRow& f, const std::vector<float>& dys) {
+// Backward steps 2-6 of one row from the UNSCALED dy and the row's router weight w (1 for
+// the shared expert, where numerics.md multiplies by nothing: 1 * v == v, bf16(1 * h) == h).
+NaiveRowGrad naive_backward(const NaiveExpert& e, const NaiveRow& f, const std::vector<float>& dy,
+                            float w) {
   NaiveRowGrad r;
-  r.dys = dys;
   for (int64_t i = 0; i < e.I; ++i) {
-    float dh = 0.0f;
-    for (int64_t j = 0; j < e.H; ++j) dh += bf(e.down[j * e.I + i]) * dys[j];
+    float dhr = 0.0f;
+    for (int64_t j = 0; j < e.H; ++j) dhr += bf(e.down[j * e.I + i]) * dy[j];
+    r.dtopk_w = std::fma(dhr, f.h[i], r.dtopk_w);
+    const float dh = w * dhr;
     const float g = f.g[i], u = f.u[i], s = sigm(g);
     r.dg.push_back(naive_bf16(dh * u * s * (1.0f + g * (1.0f - s))));
     r.du.push_back(naive_bf16(dh * g * s));
+    r.hs.push_back(naive_bf16(w * f.h[i]));
   }
   for (int64_t j = 0; j < e.H; ++j) {
     float a = 0.0f;
@@ -224,20 +230,15 @@ void check_against_naive(const Problem& p, const std::vector<int64_t>& tokens, b
     if (s.has_shared()) {
       const NaiveRow sh = naive_forward(shared(p), v);
       y = sh.o;
-      dx = naive_backward(shared(p), sh, dyf).dx;
+      dx = naive_backward(shared(p), sh, dyf, 1.0f).dx;
     }
     for (int k = 0; k < K; ++k) {
       const int64_t e = p.in.topk_idx[r][t * K + k];
       const float w = p.in.topk_w[r][t * K + k];
       const NaiveRow row = naive_forward(routed(p, e), v);
-      std::vector<float> dys(H);
-      float dw = 0.0f;
-      for (int64_t j = 0; j < H; ++j) {
-        y[j] = std::fma(w, row.o[j], y[j]);
-        dys[j] = naive_bf16(w * dyf[j]);
-        dw += dyf[j] * row.o[j];
-      }
-      const NaiveRowGrad rg = naive_backward(routed(p, e), row, dys);
+      for (int64_t j = 0; j < H; ++j) y[j] = std::fma(w, row.o[j], y[j]);
+      const NaiveRowGrad rg = naive_backward(routed(p, e), row, dyf, w);
+      const float dw = rg.dtopk_w;
       for (int64_t j = 0; j < H; ++j) dx[j] = dx[j] + rg.dx[j];
       ASSERT_EQ(std::memcmp(&dw, &grads.dtopk_w[r][t * K + k], 4), 0)
           << "dtopk_w rank " << r << " token " << t << " k " << k << ": " << dw << " vs "
@@ -261,14 +262,14 @@ void check_against_naive(const Problem& p, const std::vector<int64_t>& tokens, b
       const uint16_t* v = p.in.x[r].data() + t * H;
       const float w = p.in.topk_w[r][t * K + k];
       const NaiveRow row = naive_forward(routed(p, e), v);
-      std::vector<float> dys(H);
-      for (int64_t j = 0; j < H; ++j) dys[j] = naive_bf16(w * bf(p.dy[r][t * H + j]));
-      const NaiveRowGrad rg = naive_backward(routed(p, e), row, dys);
+      std::vector<float> dyf(H);
+      for (int64_t j = 0; j < H; ++j) dyf[j] = bf(p.dy[r][t * H + j]);
+      const NaiveRowGrad rg = naive_backward(routed(p, e), row, dyf, w);
       for (int64_t i = 0; i < I; ++i) {
         for (int64_t c = 0; c < H; ++c) {
           dgate[i * H + c] += rg.dg[i] * bf(v[c]);
           dup[i * H + c] += rg.du[i] * bf(v[c]);
-          ddown[c * I + i] += dys[c] * row.h[i];
+          ddown[c * I + i] += dyf[c] * rg.hs[i];
         }
       }
     }

@@ -1,0 +1,82 @@
+// mok::Context: one layer's saved forward context (include/mok/api.hpp, src/megakernel/context.hpp).
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <string>
+
+#include "comm/cuda_check.hpp"
+#include "host/workspace_impl.hpp"
+
+namespace mok {
+namespace {
+
+std::unique_ptr<Context::Impl> new_context(Workspace& ws) {
+  auto impl = std::make_unique<Context::Impl>();
+  impl->workspace_serial = ws.impl().serial;
+  impl->device = ws.impl().device;
+  impl->layout = megakernel::ContextLayout::make(ws.shape(), ws.config());
+  impl->bytes = impl->layout.total;
+  return impl;
+}
+
+}  // namespace
+
+size_t Context::bytes(const LayerShape& shape, const Config& config) {
+  config.validate(shape);
+  return megakernel::ContextLayout::make(shape, config).total;
+}
+
+Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream) {
+  auto impl = new_context(ws);
+  DeviceGuard guard(impl->device);
+  void* p = nullptr;
+  MOK_CUDA_CHECK(cudaMallocAsync(&p, impl->bytes, stream));
+  impl->base = static_cast<char*>(p);
+  impl->owned = true;
+  impl->stream = stream;
+  impl->saved = megakernel::SavedContext::at(impl->base, impl->layout, ws.shape());
+  return std::make_unique<Context>(std::move(impl));
+}
+
+std::unique_ptr<Context> Context::create(Workspace& ws, void* memory, size_t bytes) {
+  auto impl = new_context(ws);
+  if (memory == nullptr) throw_invalid("memory", "a device pointer to Context::bytes(shape, config) bytes", "nullptr");
+  if (reinterpret_cast<uintptr_t>(memory) % 256 != 0) {
+    throw_invalid("memory", "a 256-byte aligned device pointer", "a pointer at offset " +
+                                                                      std::to_string(reinterpret_cast<uintptr_t>(memory) % 256) +
+                                                                      " from 256-byte alignment");
+  }
+  if (bytes < impl->bytes) {
+    throw_invalid("bytes", "at least Context::bytes(shape, config) = " + std::to_string(impl->bytes), std::to_string(bytes));
+  }
+  cudaPointerAttributes attr{};
+  MOK_CUDA_CHECK(cudaPointerGetAttributes(&attr, memory));
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+    throw_invalid("memory", "device memory of device " + std::to_string(impl->device), "host or unregistered memory");
+  }
+  if (attr.device != impl->device) {
+    throw_invalid("memory", "device memory of the workspace's device " + std::to_string(impl->device),
+                  "memory of device " + std::to_string(attr.device));
+  }
+  impl->base = static_cast<char*>(memory);
+  impl->saved = megakernel::SavedContext::at(impl->base, impl->layout, ws.shape());
+  return std::make_unique<Context>(std::move(impl));
+}
+
+Context::~Context() {
+  if (impl_ && impl_->owned && impl_->base != nullptr) {
+    int previous = -1;
+    cudaGetDevice(&previous);
+    cudaSetDevice(impl_->device);
+    const cudaError_t e = cudaFreeAsync(impl_->base, impl_->stream);
+    if (e != cudaSuccess) std::fprintf(stderr, "mok: freeing a context: %s\n", cudaGetErrorString(e));
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+}
+
+size_t Context::bytes() const { return impl_->bytes; }
+bool Context::saved() const { return impl_->state == Impl::State::kSaved; }
+
+}  // namespace mok

@@ -1,0 +1,54 @@
+// The saved forward context of one layer (DESIGN §9): what a forward leaves for its backward,
+// in one block of device memory that mok or the caller owns (mok::Context, include/mok/api.hpp).
+//
+//   routing table  the schedule the forward ran on (header, segments, row list, owner rows,
+//                  minibatch ranges, the in-place combine's remote-row list) and the GEMM
+//                  engine's int32 segments: the backward replays it, no new routing exchange;
+//   g, u           [buffer_rows, I] bf16 pre-activations of every routed row (h is rebuilt);
+//   shared g, u    [T rounded up to 128, I_shared] of the shared expert.
+// x is not kept: the backward takes it again (BackwardArgs::x) and dispatches it again for
+// the gate/up weight gradients, which is NVLink traffic instead of [buffer_rows, H] per layer.
+// Neither are the expert outputs: d topk_w comes from the dgrad's accumulator (numerics.md).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "comm/comm_state.hpp"
+#include "mok/api.hpp"
+
+namespace mok::megakernel {
+
+struct ForwardBuffers;
+
+// Byte offsets of the pieces inside one context block (each 256-byte aligned).
+struct ContextLayout {
+  size_t header = 0, expert_offset = 0, expert_rows = 0, rows = 0, dest_row = 0, mb_ranges = 0, remote_rows = 0,
+         remote_count = 0, token_key = 0, token_order = 0, seg_offsets = 0, seg_rows = 0, g = 0, u = 0,
+         shared_g = 0, shared_u = 0;
+  size_t schedule_bytes = 0;  // the routing table's share (everything before g)
+  size_t total = 0;
+  int64_t buffer_rows = 0, shared_rows = 0, max_minibatches = 0, minibatch = 0;
+  static ContextLayout make(const LayerShape& shape, const Config& config);
+};
+
+// Device pointers into one context block.
+struct SavedContext {
+  comm::ScheduleView schedule;  // the forward's routing table (the copy in this block)
+  const int32_t* seg_offsets = nullptr;  // [E_local + 1] the GEMM engine's segments
+  const int32_t* seg_rows = nullptr;     // [E_local]
+  bf16* g = nullptr;  // [buffer_rows, I]
+  bf16* u = nullptr;
+  bf16* shared_g = nullptr;  // [shared_rows, I_shared] (nullptr without a shared expert)
+  bf16* shared_u = nullptr;
+  static SavedContext at(char* base, const ContextLayout& layout, const LayerShape& shape);
+};
+
+// Stream-ordered, after the forward's schedule and convert_segments: copies the routing table
+// (CommState's schedule, ForwardBuffers' int32 segments) into the context block.
+void save_schedule(const comm::CommState& state, const ForwardBuffers& buffers, const ContextLayout& layout,
+                   char* base, cudaStream_t stream);
+
+}  // namespace mok::megakernel

@@ -1,0 +1,255 @@
+#include "megakernel/staged_backward.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "comm/cuda_check.hpp"
+#include "comm/roles.hpp"
+#include "gemm/grouped_gemm.hpp"
+#include "gemm/swiglu_math.cuh"
+
+namespace mok::megakernel {
+namespace {
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+unsigned blocks_for(int64_t n, int threads, int64_t cap) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, cap)));
+}
+
+__device__ bool schedule_ok(const comm::ScheduleHeader* h) { return h->status == 0; }
+
+// Each routed row's router weight, read from the token owner's staged topk_w (0 for padding
+// rows and for every row of a poisoned schedule).
+__global__ void gather_row_weights(const comm::ScheduleHeader* header, const comm::RowEntry* rows, int64_t buffer_rows,
+                                   comm::PeerMap peers, size_t topk_w_offset, int topk, float* row_w) {
+  const bool ok = schedule_ok(header);
+  const int64_t padded = ok ? header->padded_rows : 0;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < buffer_rows; p += int64_t(gridDim.x) * blockDim.x) {
+    float w = 0.0f;
+    if (p < padded) {
+      const comm::RowEntry e = rows[p];
+      if (e.src_rank >= 0) {
+        w = reinterpret_cast<const float*>(peers.base[e.src_rank] + topk_w_offset)[int64_t{e.token} * topk + e.k];
+      }
+    }
+    row_w[p] = w;
+  }
+}
+
+// Padding rows of the pulled row buffers are zero: the weight-gradient reduction runs over
+// them (gemm/grouped_gemm.hpp's row buffer contract); the pulls write real rows only.
+__global__ void zero_padding_rows(const comm::ScheduleHeader* header, const comm::RowEntry* rows, uint4* a, uint4* b,
+                                  int64_t row_vecs) {
+  if (!schedule_ok(header)) return;
+  const int64_t padded = header->padded_rows;
+  for (int64_t p = blockIdx.x; p < padded; p += gridDim.x) {
+    if (rows[p].src_rank >= 0) continue;
+    for (int64_t c = threadIdx.x; c < row_vecs; c += blockDim.x) {
+      a[p * row_vecs + c] = make_uint4(0, 0, 0, 0);
+      b[p * row_vecs + c] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// hs = bf16(w * h), h = bf16(silu(g) * u) rebuilt with the forward's bits (numerics.md Backward
+// step 6): the operand of the W_down weight gradient against the unscaled dy rows. Routed:
+// w = row_w[r], real rows = rows named by the schedule; shared (rows = nullptr): w = 1 (hs = h),
+// real rows < real_rows.
+__global__ void rebuild_hs(const comm::ScheduleHeader* header, const comm::RowEntry* rows, int64_t real_rows,
+                           const float* row_w, const uint32_t* g, const uint32_t* u, uint32_t* hs, int64_t n_rows,
+                           int64_t pairs_per_row) {
+  const int64_t limit = rows != nullptr ? (schedule_ok(header) ? header->padded_rows : 0) : real_rows;
+  const int64_t n = n_rows * pairs_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / pairs_per_row;
+    const bool real = r < limit && (rows == nullptr || rows[r].src_rank >= 0);
+    uint32_t out = 0;
+    if (real) {
+      const float2 gv = gemm::unpack_bf16x2(g[i]), uv = gemm::unpack_bf16x2(u[i]);
+      const float2 h = gemm::unpack_bf16x2(gemm::pack_bf16x2(gemm::swiglu_fwd(gv.x, uv.x), gemm::swiglu_fwd(gv.y, uv.y)));
+      const float w = row_w != nullptr ? row_w[r] : 1.0f;
+      out = row_w != nullptr ? gemm::pack_bf16x2(w * h.x, w * h.y) : gemm::pack_bf16x2(h.x, h.y);
+    }
+    hs[i] = out;
+  }
+}
+
+// d topk_w of each real row: its column-tile parts summed in tile order, stored into the
+// token owner's landing slot (t, k) of the window.
+__global__ void push_dtopk(const comm::ScheduleHeader* header, const comm::RowEntry* rows, const float* parts,
+                           int col_tiles, comm::PeerMap peers, size_t dtopk_offset, int topk) {
+  if (!schedule_ok(header)) return;
+  const int64_t padded = header->padded_rows;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < padded; p += int64_t(gridDim.x) * blockDim.x) {
+    const comm::RowEntry e = rows[p];
+    if (e.src_rank < 0) continue;
+    float acc = 0.0f;
+    for (int n = 0; n < col_tiles; ++n) acc += parts[p * col_tiles + n];
+    reinterpret_cast<float*>(peers.base[e.src_rank] + dtopk_offset)[int64_t{e.token} * topk + e.k] = acc;
+  }
+}
+
+// dx and d topk_w are NaN whenever the saved schedule was poisoned, a router weight was not
+// finite or a wait timed out: never silently wrong (Workspace::check() throws the reason).
+__global__ void poison_backward(const comm::ScheduleHeader* header, const comm::DeviceErrorRecord* error, uint4* dx,
+                                int64_t dx_vecs, float* dtopk, int64_t dtopk_n) {
+  if (header->status == 0 && *reinterpret_cast<const volatile int32_t*>(&error->code) == 0 &&
+      *reinterpret_cast<const volatile unsigned long long*>(&error->weight_key) == comm::kNoWeightError) {
+    return;
+  }
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dx_vecs; i += stride) {
+    dx[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dtopk_n; i += stride) {
+    dtopk[i] = __int_as_float(0x7fffffff);
+  }
+}
+
+__global__ void fill_ones(float* v, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) v[i] = 1.0f;
+}
+
+gemm::WgradOut wgrad_out(GradMode mode) {
+  return mode == GradMode::kWriteBf16 ? gemm::WgradOut::kWriteBf16 : gemm::WgradOut::kAccumulateFp32;
+}
+
+void check_grads(const LayerShape& s, const WeightGrads& g) {
+  if (g.mode != GradMode::kWriteBf16 && g.mode != GradMode::kAccumulateFp32) {
+    throw_invalid("WeightGrads.mode", "GradMode::kWriteBf16 or GradMode::kAccumulateFp32",
+                  std::to_string(static_cast<int>(g.mode)));
+  }
+  if (g.gate == nullptr || g.up == nullptr || g.down == nullptr) {
+    throw_invalid("WeightGrads.gate/up/down", "device pointers to the routed experts' weight gradients", "nullptr");
+  }
+  if (s.has_shared() && (g.shared_gate == nullptr || g.shared_up == nullptr || g.shared_down == nullptr)) {
+    throw_invalid("WeightGrads.shared_*", "device pointers (LayerShape.shared_intermediate > 0)", "nullptr");
+  }
+}
+
+}  // namespace
+
+BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows)
+    : buffer_rows(rows),
+      shared_rows(round_up(s.tokens, kRowTile)),
+      col_tiles(gemm::dgrad_hidden_col_tiles(s.intermediate)),
+      dy_rows(rows * s.hidden),
+      dx_rows(rows * s.hidden),
+      dg(rows * s.intermediate),
+      du(rows * s.intermediate),
+      hs(rows * s.intermediate),
+      row_w(rows),
+      dw_part(rows * col_tiles),
+      shared_dy(s.has_shared() ? shared_rows * s.hidden : 0),
+      shared_dg(shared_rows * s.shared_intermediate),
+      shared_du(shared_rows * s.shared_intermediate),
+      shared_hs(shared_rows * s.shared_intermediate),
+      shared_dx(s.has_shared() ? shared_rows * s.hidden : 0),
+      ones(s.tokens * s.topk) {
+  if (s.has_shared()) MOK_CUDA_CHECK(cudaMemset(shared_dy.get(), 0, shared_dy.bytes()));  // padding rows stay 0
+  fill_ones<<<blocks_for(ones.size(), 256, 1024), 256>>>(ones.get(), static_cast<int64_t>(ones.size()));
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+size_t BackwardBuffers::bytes() const {
+  return dy_rows.bytes() + dx_rows.bytes() + dg.bytes() + du.bytes() + hs.bytes() + row_w.bytes() + dw_part.bytes() +
+         shared_dy.bytes() + shared_dg.bytes() + shared_du.bytes() + shared_hs.bytes() + shared_dx.bytes() +
+         ones.bytes();
+}
+
+void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                     const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
+                     const StagedBackwardOptions& o, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  check_grads(s, grads);
+  const comm::ScheduleView& v = saved.schedule;
+  const comm::SymmetricLayout& layout = state.layout();
+  const int64_t T = s.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate, K = s.topk;
+  const int64_t R = bwd.buffer_rows;
+
+  // Stage: x, dy and the router weights where the rows' holders read them.
+  check_router_weights(state, args.topk_w, stream);
+  state.stage_x(args.x, stream);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+  MOK_CUDA_CHECK(cudaMemcpyAsync(state.topk_w_staging(), args.topk_w, T * K * sizeof(float), cudaMemcpyDeviceToDevice,
+                                 stream));
+  if (s.has_shared()) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(fwd.shared_x.get(), args.x, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    MOK_CUDA_CHECK(cudaMemcpyAsync(bwd.shared_dy.get(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+  }
+
+  // Pull x rows (for the gate/up weight gradients) and dy rows over the forward's routing table.
+  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, state.row_buffer()), stream);
+  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);
+  gather_row_weights<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, R, state.peers(), layout.topk_w,
+                                                                   static_cast<int>(K), bwd.row_w.get());
+  MOK_CUDA_CHECK(cudaGetLastError());
+  zero_padding_rows<<<1024, 256, 0, stream>>>(v.header, v.rows, reinterpret_cast<uint4*>(state.row_buffer()),
+                                              reinterpret_cast<uint4*>(bwd.dy_rows.get()), H * 2 / 16);
+  MOK_CUDA_CHECK(cudaGetLastError());
+
+  gemm::Launch launch;
+  launch.grid = o.gemm_grid;
+  launch.error_flag = fwd.gemm_error.get();
+  launch.timeout_s = o.timeout_s;
+  const gemm::WgradOut mode = wgrad_out(grads.mode);
+
+  // Shared expert: dy unscaled, its weight gradients over this rank's tokens.
+  if (s.has_shared()) {
+    const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
+    gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
+                               bwd.shared_dg.get(), bwd.shared_du.get()},
+                              launch, stream);
+    gemm::dgrad_input({seg, H, S, bwd.shared_dg.get(), bwd.shared_du.get(), w.shared_gate, w.shared_up,
+                       bwd.shared_dx.get()},
+                      launch, stream);
+    rebuild_hs<<<blocks_for(fwd.shared_rows * S / 2, 256, 4096), 256, 0, stream>>>(
+        nullptr, nullptr, T, nullptr, reinterpret_cast<const uint32_t*>(saved.shared_g),
+        reinterpret_cast<const uint32_t*>(saved.shared_u), reinterpret_cast<uint32_t*>(bwd.shared_hs.get()),
+        fwd.shared_rows, S / 2);
+    MOK_CUDA_CHECK(cudaGetLastError());
+    gemm::WgradArgs wa;
+    wa.seg = seg;
+    wa.mode = mode;
+    wa.problems[0] = {bwd.shared_dy.get(), bwd.shared_hs.get(), H, S, nullptr, grads.shared_down};
+    wa.problems[1] = {bwd.shared_dg.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
+    wa.problems[2] = {bwd.shared_du.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
+    wa.num_problems = 3;
+    gemm::wgrad(wa, launch, stream);
+  }
+
+  // Routed experts.
+  const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), R};
+  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, bwd.dg.get(), bwd.du.get()};
+  dh.row_w = bwd.row_w.get();
+  dh.dw_part = bwd.dw_part.get();
+  gemm::dgrad_hidden_swiglu(dh, launch, stream);
+  gemm::dgrad_input({seg, H, I, bwd.dg.get(), bwd.du.get(), w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
+  rebuild_hs<<<blocks_for(R * I / 2, 256, 8192), 256, 0, stream>>>(
+      v.header, v.rows, 0, bwd.row_w.get(), reinterpret_cast<const uint32_t*>(saved.g),
+      reinterpret_cast<const uint32_t*>(saved.u), reinterpret_cast<uint32_t*>(bwd.hs.get()), R, I / 2);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  gemm::WgradArgs wa;
+  wa.seg = seg;
+  wa.mode = mode;
+  wa.problems[0] = {bwd.dy_rows.get(), bwd.hs.get(), H, I, nullptr, grads.down};
+  wa.problems[1] = {bwd.dg.get(), state.row_buffer(), I, H, nullptr, grads.gate};
+  wa.problems[2] = {bwd.du.get(), state.row_buffer(), I, H, nullptr, grads.up};
+  wa.num_problems = 3;
+  gemm::wgrad(wa, launch, stream);
+
+  // d topk_w to the owners, dx rows to the owners' slots (the combine's barrier covers both).
+  push_dtopk<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, bwd.dw_part.get(),
+                                                           static_cast<int>(bwd.col_tiles), state.peers(), layout.dtopk,
+                                                           static_cast<int>(K));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  comm::launch_combine(state.combine_launch(bwd.dx_rows.get(), o.comm_ctas, /*own_rows_in_place=*/true, v), stream);
+  state.epilogue(bwd.ones.get(), s.has_shared() ? bwd.shared_dx.get() : nullptr, bwd.dx_rows.get(), args.dx, v, stream);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(args.dtopk_w, state.dtopk_landing(), T * K * sizeof(float), cudaMemcpyDeviceToDevice,
+                                 stream));
+  poison_backward<<<blocks_for(T * H * 2 / 16, 256, 1024), 256, 0, stream>>>(
+      v.header, state.error_record(), reinterpret_cast<uint4*>(args.dx), T * H * 2 / 16, args.dtopk_w, T * K);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mok::megakernel

@@ -1,0 +1,471 @@
+// GPU backward (src/megakernel/staged_backward.hpp) against the CPU reference, plus the
+// forward-context contract (include/mok/api.hpp: Context) and determinism (D1-D3).
+// Every output is poisoned before each pass (NaN bits, or a random fp32 main grad that the
+// pass must add to), so an unwritten element cannot pass.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <random>
+#include <string>
+
+#include "test_comm_harness.cuh"
+#include "test_problem.cuh"
+#include "reference/layer.hpp"
+
+namespace mok::test {
+namespace {
+
+struct BwdCase {
+  const char* name;
+  LayerShape shape;  // ep filled in per test
+  Pattern pattern;
+};
+
+// Small shapes that cover: T not a multiple of 128, top-k 1 and 8, E_local 1, H = 2880, skewed
+// routing, empty experts, shared expert on and off.
+const std::vector<BwdCase>& bwd_cases() {
+  static const std::vector<BwdCase> c = {
+      {"T200_top2_shared", LayerShape{200, 256, 128, 128, 8, 2, 1}, Pattern::kUniform},
+      {"top1_noshared", LayerShape{256, 128, 128, 0, 8, 1, 1}, Pattern::kUniform},
+      {"top8_E16_shared", LayerShape{192, 128, 192, 64, 16, 8, 1}, Pattern::kUniform},
+      {"H2880_top4", LayerShape{136, 2880, 256, 0, 8, 4, 1}, Pattern::kUniform},
+      {"one_expert_skew", LayerShape{256, 256, 128, 128, 8, 2, 1}, Pattern::kOneExpert},
+      {"empty_experts", LayerShape{160, 128, 256, 0, 16, 2, 1}, Pattern::kFewExperts},
+  };
+  return c;
+}
+
+int env_int_or(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
+LayerShape with_ep(LayerShape s, int ep) {
+  s.ep = ep;
+  return s;
+}
+
+Config bwd_config(const LayerShape& s) {
+  Config c;
+  c.capacity = s.ep;  // skewed patterns may send everything to one rank
+  return c;
+}
+
+// dy of every rank, O(1) values.
+std::vector<std::vector<uint16_t>> make_dy(const LayerShape& s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<uint16_t>> dy;
+  for (int r = 0; r < s.ep; ++r) dy.push_back(randn_bf16(size_t(s.tokens) * s.hidden, 1.0, rng));
+  return dy;
+}
+
+// One rank's backward outputs as host vectors.
+struct RankGrads {
+  std::vector<uint16_t> dx;
+  std::vector<float> dtopk_w;
+  // routed [E_local, ...] and shared; fp32 (accumulate mode: the added sums minus nothing: the
+  // raw buffers) or bf16 widened to float (write mode)
+  std::vector<float> dgate, dup, ddown, sdgate, sdup, sddown;
+};
+
+std::vector<float> get_f32(const float* p, size_t n) {
+  std::vector<float> v(n);
+  if (n) MOK_CUDA_CHECK(cudaMemcpy(v.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  return v;
+}
+std::vector<uint16_t> get_bits(const void* p, size_t n) {
+  std::vector<uint16_t> v(n);
+  if (n) MOK_CUDA_CHECK(cudaMemcpy(v.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Weight-gradient buffers of one rank in `mode`. Accumulate mode starts from `base` (a
+// deterministic random fp32 value per element, re-uploaded before each pass); write mode from NaN bits.
+struct GradBuffers {
+  GradMode mode;
+  size_t n_routed = 0, n_shared = 0;
+  comm::DeviceBuffer<char> gate, up, down, sgate, sup, sdown;
+  GradBuffers(const LayerShape& s, GradMode m) : mode(m) {
+    const size_t el = size_t(m == GradMode::kWriteBf16 ? 2 : 4);
+    n_routed = size_t(s.local_experts()) * s.intermediate * s.hidden;
+    n_shared = size_t(s.shared_intermediate) * s.hidden;
+    for (auto* b : {&gate, &up, &down}) *b = comm::DeviceBuffer<char>(n_routed * el);
+    for (auto* b : {&sgate, &sup, &sdown}) *b = comm::DeviceBuffer<char>(n_shared * el);
+  }
+  static float base_value(size_t i, int which) {
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull + which * 0xD1B54A32D192ED03ull;
+    h ^= h >> 29;
+    return static_cast<float>(static_cast<int64_t>(h % 2001) - 1000) * 1e-4f;
+  }
+  void poison(cudaStream_t st) {
+    int which = 0;
+    for (auto* b : {&gate, &up, &down, &sgate, &sup, &sdown}) {
+      if (b->bytes() == 0) { ++which; continue; }
+      if (mode == GradMode::kWriteBf16) {
+        MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), st));
+      } else {
+        std::vector<float> v(b->bytes() / 4);
+        for (size_t i = 0; i < v.size(); ++i) v[i] = base_value(i, which);
+        MOK_CUDA_CHECK(cudaMemcpyAsync(b->get(), v.data(), b->bytes(), cudaMemcpyHostToDevice, st));
+        MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+      }
+      ++which;
+    }
+  }
+  WeightGrads grads() {
+    return WeightGrads{mode, gate.get(), up.get(), down.get(), sgate.bytes() ? sgate.get() : nullptr,
+                       sup.bytes() ? sup.get() : nullptr, sdown.bytes() ? sdown.get() : nullptr};
+  }
+  // The pass's gradient: write mode: the bf16 values; accumulate mode: buffer - base (the added sums
+  // up to one fp32 rounding of the add, exact where |base| is small against the sum).
+  std::vector<float> read(const comm::DeviceBuffer<char>& b, int which) const {
+    const size_t n = b.bytes() / (mode == GradMode::kWriteBf16 ? 2 : 4);
+    std::vector<float> out(n);
+    if (mode == GradMode::kWriteBf16) {
+      const auto bits = get_bits(b.get(), n);
+      for (size_t i = 0; i < n; ++i) out[i] = ref::from_bf16(bits[i]);
+    } else {
+      const auto v = get_f32(reinterpret_cast<const float*>(b.get()), n);
+      for (size_t i = 0; i < n; ++i) out[i] = v[i] - base_value(i, which);
+    }
+    return out;
+  }
+  void read_into(RankGrads& g) const {
+    g.dgate = read(gate, 0);
+    g.dup = read(up, 1);
+    g.ddown = read(down, 2);
+    g.sdgate = read(sgate, 3);
+    g.sdup = read(sup, 4);
+    g.sddown = read(sdown, 5);
+  }
+};
+
+double rel_norm_f(const std::vector<float>& a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+double rel_norm_bits(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = ref::from_bf16(a[i]), y = ref::from_bf16(b[i]);
+    if (!std::isfinite(x)) return INFINITY;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+bool same_f32(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+}
+bool same_grads(const RankGrads& a, const RankGrads& b) {
+  return a.dx == b.dx && same_f32(a.dtopk_w, b.dtopk_w) && same_f32(a.dgate, b.dgate) && same_f32(a.dup, b.dup) &&
+         same_f32(a.ddown, b.ddown) && same_f32(a.sdgate, b.sdgate) && same_f32(a.sdup, b.sdup) &&
+         same_f32(a.sddown, b.sddown);
+}
+
+struct RunOptions {
+  GradMode mode = GradMode::kAccumulateFp32;
+  int repeats = 1;
+  // A second layer (other inputs and routing, same shape): its schedule and forward run between
+  // this layer's forward and backward, and its backward first.
+  const Problem* second = nullptr;
+  std::function<void(Workspace&)> configure;  // workspace knobs (fused options)
+};
+
+// Runs schedule + forward + backward `repeats` times per rank; returns [repeat][rank].
+std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::vector<std::vector<uint16_t>>& dy,
+                                                 const Config& cfg, const RunOptions& ro) {
+  const LayerShape& s = p.shape;
+  std::vector<std::vector<RankGrads>> out(ro.repeats, std::vector<RankGrads>(s.ep));
+  RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    comm::DeviceBuffer<bf16> ddy = upload_bf16(dy[r.rank].data(), dy[r.rank].size());
+    comm::DeviceBuffer<bf16> dx(size_t(s.tokens) * s.hidden);
+    comm::DeviceBuffer<float> dtopk(size_t(s.tokens) * s.topk);
+    cudaStream_t st = rank_stream();
+    auto ws = create_workspace(s, cfg, r);
+    if (ro.configure) ro.configure(*ws);
+    GradBuffers gb(s, ro.mode);
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    auto ctx_a = Context::create(*ws, st);
+    auto ctx_b = Context::create(*ws, st);
+    std::optional<RankData> d2;
+    if (ro.second != nullptr) d2.emplace(upload_rank(*ro.second, r.rank));
+    for (int i = 0; i < ro.repeats; ++i) {
+      gb.poison(st);
+      MOK_CUDA_CHECK(cudaMemsetAsync(dx.get(), 0xFF, dx.bytes(), st));
+      MOK_CUDA_CHECK(cudaMemsetAsync(dtopk.get(), 0xFF, dtopk.bytes(), st));
+      schedule(*ws, d.idx.get(), st);
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx_a.get()}, ew, st);
+      if (d2) {
+        const ExpertWeights ew2{d2->gate.get(), d2->up.get(), d2->down.get(), d2->sgate.get(), d2->sup.get(), d2->sdown.get()};
+        schedule(*ws, d2->idx.get(), st);
+        forward(*ws, ForwardArgs{d2->x.get(), d2->w.get(), d2->y.get(), ctx_b.get()}, ew2, st);
+        comm::DeviceBuffer<bf16> dx_b(dx.size());
+        comm::DeviceBuffer<float> dtopk_b(dtopk.size());
+        GradBuffers gb_b(s, GradMode::kWriteBf16);
+        backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()}, ew2,
+                 gb_b.grads(), st);
+        ws->check();
+      }
+      backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx_a.get()}, ew, gb.grads(),
+               st);
+      ws->check();
+      RankGrads& g = out[i][r.rank];
+      g.dx = get_bits(dx.get(), dx.size());
+      g.dtopk_w = get_f32(dtopk.get(), dtopk.size());
+      gb.read_into(g);
+    }
+  });
+  return out;
+}
+
+void expect_matches_reference(const BwdCase& c, const Problem& p, const std::vector<std::vector<uint16_t>>& dy,
+                              const std::vector<RankGrads>& got) {
+  const LayerShape& s = p.shape;
+  const ref::Gradients expect = ref::backward(s, bwd_config(s), p.weights, p.inputs, dy, nullptr);
+  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
+  for (int r = 0; r < s.ep; ++r) {
+    const RankGrads& g = got[r];
+    EXPECT_LT(rel_norm_bits(g.dx, expect.dx[r]), 1e-2) << c.name << " dx rank " << r;
+    EXPECT_LT(rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()), 1e-2) << c.name << " dtopk_w rank " << r;
+    const size_t first = r * el * per;
+    EXPECT_LT(rel_norm_f(g.dgate, expect.dgate.data() + first, el * per), 1e-2) << c.name << " dW_gate rank " << r;
+    EXPECT_LT(rel_norm_f(g.dup, expect.dup.data() + first, el * per), 1e-2) << c.name << " dW_up rank " << r;
+    EXPECT_LT(rel_norm_f(g.ddown, expect.ddown.data() + first, el * per), 1e-2) << c.name << " dW_down rank " << r;
+    if (s.has_shared()) {
+      const size_t n = size_t(s.shared_intermediate) * s.hidden;
+      EXPECT_LT(rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), n), 1e-2) << c.name << " shared dW_gate rank " << r;
+      EXPECT_LT(rel_norm_f(g.sdup, expect.shared_dup[r].data(), n), 1e-2) << c.name << " shared dW_up rank " << r;
+      EXPECT_LT(rel_norm_f(g.sddown, expect.shared_ddown[r].data(), n), 1e-2) << c.name << " shared dW_down rank " << r;
+    }
+  }
+}
+
+class BackwardVsReference : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(BackwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
+  const auto [ep, which, mode] = GetParam();
+  MOK_REQUIRE_RANKS(ep);
+  const BwdCase& c = bwd_cases()[which];
+  const LayerShape s = with_ep(c.shape, ep);
+  const Problem p = make_problem(s, c.pattern, 5000 + which * 10 + ep);
+  const auto dy = make_dy(s, 77 + which);
+  RunOptions ro;
+  ro.mode = mode == 0 ? GradMode::kAccumulateFp32 : GradMode::kWriteBf16;
+  ro.repeats = 2;
+  const auto got = run_backward(p, dy, bwd_config(s), ro);
+  expect_matches_reference(c, p, dy, got[0]);
+  for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(got[1][r], got[0][r])) << c.name << " D1 rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BackwardVsReference,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6), ::testing::Values(0, 1)),
+                         [](const auto& info) {
+                           return std::string(bwd_cases()[std::get<1>(info.param)].name) + "_ep" +
+                                  std::to_string(std::get<0>(info.param)) +
+                                  (std::get<2>(info.param) == 0 ? "_fp32acc" : "_bf16");
+                         });
+
+// D1: many repeats, every output and weight gradient bitwise equal (MOK_TEST_D1_REPEATS, default 100).
+TEST(BackwardDeterminism, D1RepeatsBitwise) {
+  MOK_REQUIRE_RANKS(1);
+  const int repeats = env_int_or("MOK_TEST_D1_REPEATS", 100);
+  const BwdCase& c = bwd_cases()[0];
+  const LayerShape s = with_ep(c.shape, 1);
+  const Problem p = make_problem(s, c.pattern, 91);
+  const auto dy = make_dy(s, 92);
+  RunOptions ro;
+  ro.repeats = repeats;
+  const auto got = run_backward(p, dy, bwd_config(s), ro);
+  for (int i = 1; i < repeats; ++i) ASSERT_TRUE(same_grads(got[i][0], got[0][0])) << "repeat " << i;
+}
+
+// D2: communication CTAs, minibatch and grid change speed only.
+TEST(BackwardDeterminism, D2KnobsGiveTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  const BwdCase& c = bwd_cases()[2];
+  const LayerShape s = with_ep(c.shape, 1);
+  const Problem p = make_problem(s, c.pattern, 93);
+  const auto dy = make_dy(s, 94);
+  const Config base = bwd_config(s);
+  const auto ref_bits = run_backward(p, dy, base, {});
+  std::vector<Config> knobs;
+  for (int comm : {1, 3}) {
+    Config k = base;
+    k.comm_sms_backward = comm;
+    knobs.push_back(k);
+  }
+  {
+    Config k = base;
+    k.minibatch = 128;
+    knobs.push_back(k);
+  }
+  for (int grid : {4, 17}) {
+    Config k = base;
+    k.grid_sms = grid;
+    knobs.push_back(k);
+  }
+  for (size_t i = 0; i < knobs.size(); ++i) {
+    const auto got = run_backward(p, dy, knobs[i], {});
+    EXPECT_TRUE(same_grads(got[0][0], ref_bits[0][0])) << "knob set " << i << ": " << knobs[i].to_string();
+  }
+}
+
+// D3: the same global batch over ep 1, 2, 4, 8 gives the same dx, d topk_w and routed weight
+// gradients (the shared expert's are per-rank partial sums).
+TEST(BackwardDeterminism, D3EpSplitGivesTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  const BwdCase& c = bwd_cases()[2];
+  const LayerShape s8 = with_ep(LayerShape{512, 128, 128, 64, 16, 4, 1}, 8);
+  const Problem p8 = make_problem(s8, c.pattern, 95);
+  std::vector<uint16_t> dy_all;
+  {
+    const auto dy8 = make_dy(s8, 96);
+    for (const auto& v : dy8) dy_all.insert(dy_all.end(), v.begin(), v.end());
+  }
+  std::vector<uint16_t> dx1;
+  std::vector<float> dtopk1, dgate1, dup1, ddown1;
+  for (int ep : {1, 2, 4, 8}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    const Problem p = resplit(p8, ep);
+    const LayerShape& s = p.shape;
+    std::vector<std::vector<uint16_t>> dy(ep);
+    const size_t per = size_t(s.tokens) * s.hidden;
+    for (int r = 0; r < ep; ++r) dy[r].assign(dy_all.begin() + r * per, dy_all.begin() + (r + 1) * per);
+    Config cfg = bwd_config(s);
+    const auto got = run_backward(p, dy, cfg, {});
+    std::vector<uint16_t> dx;
+    std::vector<float> dtopk, dgate, dup, ddown;
+    for (int r = 0; r < ep; ++r) {
+      dx.insert(dx.end(), got[0][r].dx.begin(), got[0][r].dx.end());
+      dtopk.insert(dtopk.end(), got[0][r].dtopk_w.begin(), got[0][r].dtopk_w.end());
+      dgate.insert(dgate.end(), got[0][r].dgate.begin(), got[0][r].dgate.end());
+      dup.insert(dup.end(), got[0][r].dup.begin(), got[0][r].dup.end());
+      ddown.insert(ddown.end(), got[0][r].ddown.begin(), got[0][r].ddown.end());
+    }
+    if (ep == 1) {
+      dx1 = dx, dtopk1 = dtopk, dgate1 = dgate, dup1 = dup, ddown1 = ddown;
+      continue;
+    }
+    EXPECT_EQ(dx, dx1) << "dx, ep " << ep;
+    EXPECT_TRUE(same_f32(dtopk, dtopk1)) << "d topk_w, ep " << ep;
+    EXPECT_TRUE(same_f32(dgate, dgate1)) << "dW_gate, ep " << ep;
+    EXPECT_TRUE(same_f32(dup, dup1)) << "dW_up, ep " << ep;
+    EXPECT_TRUE(same_f32(ddown, ddown1)) << "dW_down, ep " << ep;
+  }
+}
+
+// Two layers whose forwards both run before either backward: each backward gives the bits of
+// its layer run alone.
+TEST(BackwardContext, TwoLayersInterleavedGiveTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    const BwdCase& c = bwd_cases()[0];
+    const LayerShape s = with_ep(c.shape, ep);
+    const Problem p = make_problem(s, c.pattern, 97);
+    const auto dy = make_dy(s, 98);
+    const auto alone = run_backward(p, dy, bwd_config(s), {});
+    const Problem other = make_problem(s, Pattern::kOneExpert, 197);
+    RunOptions ro;
+    ro.second = &other;
+    const auto interleaved = run_backward(p, dy, bwd_config(s), ro);
+    for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(interleaved[0][r], alone[0][r])) << "ep " << ep << " rank " << r;
+  }
+}
+
+// The context contract: a backward needs a filled, unconsumed context of its own workspace.
+TEST(BackwardContext, MisusedContextsGetClearErrors) {
+  MOK_REQUIRE_RANKS(1);
+  const BwdCase& c = bwd_cases()[1];
+  const LayerShape s = with_ep(c.shape, 1);
+  const Problem p = make_problem(s, c.pattern, 99);
+  const auto dy = make_dy(s, 100);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    comm::DeviceBuffer<bf16> ddy = upload_bf16(dy[0].data(), dy[0].size());
+    comm::DeviceBuffer<bf16> dx(size_t(s.tokens) * s.hidden);
+    comm::DeviceBuffer<float> dtopk(size_t(s.tokens) * s.topk);
+    cudaStream_t st = rank_stream();
+    auto ws = create_workspace(s, bwd_config(s), r);
+    auto other = create_workspace(s, bwd_config(s), r);
+    GradBuffers gb(s, GradMode::kWriteBf16);
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    auto ctx = Context::create(*ws, st);
+    auto foreign = Context::create(*other, st);
+    EXPECT_FALSE(ctx->saved());
+    auto expect_invalid = [&](Context* cx, const char* needle) {
+      try {
+        backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), cx}, ew, gb.grads(), st);
+        ADD_FAILURE() << "expected kInvalidArgument containing '" << needle << "'";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.status(), Status::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+    };
+    expect_invalid(ctx.get(), "no forward filled");
+    expect_invalid(foreign.get(), "another workspace");
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx.get()}, ew, st);
+    EXPECT_TRUE(ctx->saved());
+    backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx.get()}, ew, gb.grads(), st);
+    ws->check();
+    EXPECT_FALSE(ctx->saved());
+    expect_invalid(ctx.get(), "already consumed");
+    // caller memory: too small and misaligned are refused, enough is taken
+    comm::DeviceBuffer<char> mem(Context::bytes(s, bwd_config(s)) + 256);
+    EXPECT_THROW(Context::create(*ws, mem.get(), Context::bytes(s, bwd_config(s)) - 1), Error);
+    EXPECT_THROW(Context::create(*ws, mem.get() + 16, Context::bytes(s, bwd_config(s))), Error);
+    auto external = Context::create(*ws, mem.get(), mem.bytes());
+    EXPECT_EQ(external->bytes(), Context::bytes(s, bwd_config(s)));
+  });
+}
+
+// Non-finite router weights are bad input in the backward too: a clear error, NaN dx.
+TEST(BackwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsDx) {
+  MOK_REQUIRE_RANKS(1);
+  const BwdCase& c = bwd_cases()[1];
+  const LayerShape s = with_ep(c.shape, 1);
+  Problem p = make_problem(s, c.pattern, 101);
+  const auto dy = make_dy(s, 102);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    comm::DeviceBuffer<bf16> ddy = upload_bf16(dy[0].data(), dy[0].size());
+    comm::DeviceBuffer<bf16> dx(size_t(s.tokens) * s.hidden);
+    comm::DeviceBuffer<float> dtopk(size_t(s.tokens) * s.topk);
+    std::vector<float> bad = p.inputs.topk_w[0];
+    bad[5 * s.topk] = NAN;
+    comm::DeviceBuffer<float> dbad = upload(bad.data(), bad.size());
+    cudaStream_t st = rank_stream();
+    auto ws = create_workspace(s, bwd_config(s), r);
+    GradBuffers gb(s, GradMode::kWriteBf16);
+    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, st);
+    ws->check();
+    backward(*ws, BackwardArgs{d.x.get(), dbad.get(), ddy.get(), dx.get(), dtopk.get()}, ew, gb.grads(), st);
+    try {
+      ws->check();
+      ADD_FAILURE() << "expected kInvalidArgument for the NaN router weight";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("topk_w[token 5, k 0]"), std::string::npos) << e.what();
+    }
+    const auto got = get_bits(dx.get(), dx.size());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isnan(ref::from_bf16(got[i]))) << "dx[" << i << "]";
+  });
+}
+
+}  // namespace
+}  // namespace mok::test
