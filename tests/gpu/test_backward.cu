@@ -67,8 +67,9 @@ std::vector<std::vector<uint16_t>> make_dy(const LayerShape& s, uint64_t seed) {
 struct RankGrads {
   std::vector<uint16_t> dx;
   std::vector<float> dtopk_w;
-  // routed [E_local, ...] and shared; fp32 (accumulate mode: the added sums minus nothing: the
-  // raw buffers) or bf16 widened to float (write mode)
+  // routed [E_local, ...] and shared; accumulate mode: the buffer minus its starting value (a
+  // function of the element's global index, so equal sums give equal bits at any EP); write
+  // mode: the bf16 values widened to float
   std::vector<float> dgate, dup, ddown, sdgate, sdup, sddown;
 };
 
@@ -89,10 +90,12 @@ struct GradBuffers {
   GradMode mode;
   size_t n_routed = 0, n_shared = 0;
   comm::DeviceBuffer<char> gate, up, down, sgate, sup, sdown;
-  GradBuffers(const LayerShape& s, GradMode m) : mode(m) {
+  size_t first = 0;  // global index of this rank's first routed element (the base is a function of it)
+  GradBuffers(const LayerShape& s, GradMode m, int rank = 0) : mode(m) {
     const size_t el = size_t(m == GradMode::kWriteBf16 ? 2 : 4);
     n_routed = size_t(s.local_experts()) * s.intermediate * s.hidden;
     n_shared = size_t(s.shared_intermediate) * s.hidden;
+    first = size_t(rank) * n_routed;
     for (auto* b : {&gate, &up, &down}) *b = comm::DeviceBuffer<char>(n_routed * el);
     for (auto* b : {&sgate, &sup, &sdown}) *b = comm::DeviceBuffer<char>(n_shared * el);
   }
@@ -109,7 +112,7 @@ struct GradBuffers {
         MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), st));
       } else {
         std::vector<float> v(b->bytes() / 4);
-        for (size_t i = 0; i < v.size(); ++i) v[i] = base_value(i, which);
+        for (size_t i = 0; i < v.size(); ++i) v[i] = base_value(i + (which < 3 ? first : 0), which);
         MOK_CUDA_CHECK(cudaMemcpyAsync(b->get(), v.data(), b->bytes(), cudaMemcpyHostToDevice, st));
         MOK_CUDA_CHECK(cudaStreamSynchronize(st));
       }
@@ -130,7 +133,7 @@ struct GradBuffers {
       for (size_t i = 0; i < n; ++i) out[i] = ref::from_bf16(bits[i]);
     } else {
       const auto v = get_f32(reinterpret_cast<const float*>(b.get()), n);
-      for (size_t i = 0; i < n; ++i) out[i] = v[i] - base_value(i, which);
+      for (size_t i = 0; i < n; ++i) out[i] = v[i] - base_value(i + (which < 3 ? first : 0), which);
     }
     return out;
   }
@@ -195,7 +198,7 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
     cudaStream_t st = rank_stream();
     auto ws = create_workspace(s, cfg, r);
     if (ro.configure) ro.configure(*ws);
-    GradBuffers gb(s, ro.mode);
+    GradBuffers gb(s, ro.mode, r.rank);
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
     auto ctx_a = Context::create(*ws, st);
     auto ctx_b = Context::create(*ws, st);
