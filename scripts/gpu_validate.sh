@@ -22,8 +22,8 @@ build() {
   ninja -C $BUILD -j2 $TESTS mok_cli
   mkdir -p $BIN
   for t in $TESTS; do cp $BUILD/bin/$t $BIN/; done
-  ninja -C $BUILD -j2 bench_forward bench_comm bench_gemm
-  cp $BUILD/bin/mok $BUILD/bin/bench_forward $BUILD/bin/bench_comm $BUILD/bin/bench_gemm $BUILD/src/host/libmok.so $BIN/
+  ninja -C $BUILD -j2 bench_forward bench_backward bench_comm bench_gemm
+  cp $BUILD/bin/mok $BUILD/bin/bench_forward $BUILD/bin/bench_backward $BUILD/bin/bench_comm $BUILD/bin/bench_gemm $BUILD/src/host/libmok.so $BIN/
   du -sh $BIN
 }
 
@@ -77,6 +77,7 @@ run() {
   fi
   if [ "${BENCH:-0}" = 1 ]; then
     step bench_forward  300 $BIN/bench_forward ${BENCH_FORWARD_ARGS:---shapes dsv3 --comm 8,12,16,24} --out "$OUT/forward.json"
+    step bench_backward 300 $BIN/bench_backward ${BENCH_BACKWARD_ARGS:---shapes dsv3,qwen3,gptoss} --out "$OUT/backward.json"
     step bench_comm     180 $BIN/bench_comm ${BENCH_COMM_ARGS:---ctas 8,16,24,32} --out "$OUT/comm.json"
   fi
   echo "==== summary ($NGPU GPU(s); logs in \$OUT/logs.tgz) ===="

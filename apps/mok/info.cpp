@@ -10,6 +10,7 @@
 #include "bench/bench_timing.hpp"
 #include "cli.hpp"
 #include "comm/cuda_check.hpp"
+#include "comm/device_buffer.hpp"
 #include "megakernel/bench_support.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
@@ -43,16 +44,22 @@ int run_info() {
   return 0;
 }
 
-// `mok bench`: schedule + forward of the --shape layer on every local GPU (EP = the GPUs), random
-// data and uniform routing; per rank the median of --iters after 3 warm-ups and --warm-ms of
-// steady-state runs (bench/bench_timing.hpp, as bench_forward times: at its power cap an H200
-// runs these kernels at a lower clock than in the first launches after an idle phase; without
-// the steady phase gptoss read 10 % and qwen3 5-7 % fast, docs/perf-log.md 2026-12-03), every
-// iteration started on all ranks together. The full side-by-side benchmark is
-// build/bin/bench_forward.
+// `mok bench`: one pass of the --shape layer on every local GPU (EP = the GPUs), random data and
+// uniform routing: --pass forward (schedule + forward), backward (the backward over a saved
+// context; every timed run replays the same context) or step (schedule + forward + backward); per
+// rank the median of --iters after 3 warm-ups and --warm-ms of steady-state runs
+// (bench/bench_timing.hpp, as bench_forward times: at its power cap an H200 runs these kernels at
+// a lower clock than in the first launches after an idle phase; without the steady phase gptoss
+// read 10 % and qwen3 5-7 % fast, docs/perf-log.md 2026-12-03), every iteration started on all
+// ranks together. Also prints the memory of the workspace and of one layer's context. The full
+// side-by-side benchmarks are build/bin/bench_forward and bench_backward.
 int run_bench(const Options& opts) {
   const std::string name = opts.str("shape");
   if (name != "dsv3" && name != "qwen3" && name != "gptoss") throw_invalid("--shape", "dsv3, qwen3 or gptoss", name);
+  const std::string pass = opts.str("pass");
+  if (pass != "forward" && pass != "backward" && pass != "step") {
+    throw_invalid("--pass", "forward, backward or step", pass);
+  }
   const int64_t tokens = opts.integer("tokens", 0, 1 << 24);
   const struct {
     int warmup, iters;
@@ -61,40 +68,87 @@ int run_bench(const Options& opts) {
   Config config;
   config.macrobatch = opts.integer("macrobatch", 0, int64_t{1} << 40);
   const int gpus = bootstrap::local_device_count();
-  if (gpus < 1) throw Error(Status::kCudaError, "mok bench: no CUDA GPU visible (the forward runs on the GPU)");
+  if (gpus < 1) throw Error(Status::kCudaError, "mok bench: no CUDA GPU visible (the layer runs on the GPU)");
   const LayerShape shape = megakernel::bench_shape(name, gpus, tokens);
   config.validate(shape);  // a bad --macrobatch names Config.macrobatch and the rows it takes
   const auto routing = megakernel::uniform_routing(shape, 2026);
   const char* path = std::getenv("MOK_FORWARD_PATH");
   const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
-  std::printf("mok bench: %s, EP=%d (every local GPU), %s forward (schedule + forward, Config defaults%s; median of %d "
-              "after %.0f ms of steady state)\n",
-              shape.to_string().c_str(), gpus, path && std::string(path) == "staged" ? "staged" : "fused",
+  std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, staged backward; Config defaults%s; "
+              "median of %d after %.0f ms of steady state)\n",
+              shape.to_string().c_str(), gpus, pass.c_str(), path && std::string(path) == "staged" ? "staged" : "fused",
               resident < all ? (", macrobatch ring of " + std::to_string(resident) + " of " + std::to_string(all) +
                                 " routed rows").c_str()
                              : "",
               timing.iters, timing.warm_ms);
   std::vector<double> ms(gpus, 0.0);
+  std::vector<size_t> ws_bytes(gpus, 0);
   std::barrier<> sync(gpus);
   bootstrap::run_local_ranks(bootstrap::all_local_devices(), [&](bootstrap::LocalRank& r) {
     auto ws = Workspace::create(shape, config, r.comm, r.device);
+    ws_bytes[r.rank] = ws->device_bytes();
     megakernel::RandomLayer layer(shape, r.rank, routing[r.rank], 7);
     cudaStream_t stream;
     MOK_CUDA_CHECK(cudaStreamCreate(&stream));
-    const double t = bench::time_ms(timing, sync, stream, [&] {
+    const size_t TH = size_t(shape.tokens) * shape.hidden;
+    const size_t routed = size_t(shape.local_experts()) * shape.intermediate * shape.hidden;
+    const size_t shared = size_t(shape.shared_intermediate) * shape.hidden;
+    comm::DeviceBuffer<bf16> dy(TH), dx(TH);
+    comm::DeviceBuffer<float> dtopk(size_t(shape.tokens) * shape.topk), gg(routed), gu(routed), gd(routed), sg(shared),
+        su(shared), sd(shared);
+    megakernel::fill_random_bf16(dy.get(), TH, 11 + r.rank, 1e-2f, stream);
+    for (auto* b : {&gg, &gu, &gd, &sg, &su, &sd}) {
+      if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), stream));
+    }
+    const WeightGrads grads{GradMode::kAccumulateFp32, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
+    const BackwardArgs bargs{layer.x.get(), layer.topk_w.get(), dy.get(), dx.get(), dtopk.get()};
+    auto fwd = [&] {
       schedule(*ws, layer.topk_idx.get(), stream);
       forward(*ws, layer.args(), layer.weights(), stream);
-    });
+    };
+    double t = 0;
+    if (pass == "forward") {
+      t = bench::time_ms(timing, sync, stream, fwd);
+    } else if (pass == "step") {
+      t = bench::time_ms(timing, sync, stream, [&] {
+        fwd();
+        backward(*ws, bargs, layer.weights(), grads, stream);
+      });
+    } else {
+      // backward alone: each timed run consumes a context, so each gets a fresh forward outside
+      // the timed span (forward, then the events around the backward)
+      std::vector<double> v;
+      cudaEvent_t a, b;
+      MOK_CUDA_CHECK(cudaEventCreate(&a));
+      MOK_CUDA_CHECK(cudaEventCreate(&b));
+      for (int i = 0; i < timing.warmup + timing.iters; ++i) {
+        fwd();
+        MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+        sync.arrive_and_wait();
+        MOK_CUDA_CHECK(cudaEventRecord(a, stream));
+        backward(*ws, bargs, layer.weights(), grads, stream);
+        MOK_CUDA_CHECK(cudaEventRecord(b, stream));
+        MOK_CUDA_CHECK(cudaEventSynchronize(b));
+        float x = 0;
+        MOK_CUDA_CHECK(cudaEventElapsedTime(&x, a, b));
+        if (i >= timing.warmup) v.push_back(x);
+      }
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+      t = bench::median(v);
+    }
     ws->check();
     ms[r.rank] = t;
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync.arrive_and_wait();  // no rank frees its window while a peer may still read it
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
-  const double flops = megakernel::forward_flops(shape);
+  const double flops = megakernel::forward_flops(shape) * (pass == "forward" ? 1.0 : pass == "backward" ? 2.0 : 3.0);
   for (int r = 0; r < gpus; ++r) {
-    std::printf("  rank %d: forward %.3f ms, %.1f useful TFLOP/s\n", r, ms[r], flops / ms[r] / 1e9);
+    std::printf("  rank %d: %s %.3f ms, %.1f useful TFLOP/s\n", r, pass.c_str(), ms[r], flops / ms[r] / 1e9);
   }
+  std::printf("  memory per rank: workspace %.1f MB (its own context included), each further layer's context %.1f MB\n",
+              ws_bytes[0] / 1e6, Context::bytes(shape, config) / 1e6);
   return 0;
 }
 

@@ -24,11 +24,13 @@ commands:
             --tokens N      tokens per rank per step (default 128)
             --lr X          Adam learning rate (default 0.006)
             --seed N        seed of teacher, student and data (default 1)
-            --engine E      auto | cpu | gpu (default auto: the GPU forward when a GPU is
-                            visible, else the CPU reference; the backward runs on the CPU
-                            reference until the GPU backward exists)
-  bench   time schedule + forward on every local GPU (EP = the GPUs; random data,
-          uniform routing; MOK_FORWARD_PATH=staged times the staged forward)
+            --engine E      auto | cpu | gpu (default auto: forward and backward on the
+                            GPUs when a GPU is visible, else the CPU reference)
+  bench   time one pass on every local GPU (EP = the GPUs; random data, uniform routing;
+          MOK_FORWARD_PATH=staged times the staged forward); prints the memory of the
+          workspace and of one layer's context
+            --pass P        forward | backward | step (default forward; step = schedule +
+                            forward + backward)
             --shape S       dsv3 | qwen3 | gptoss (default dsv3)
             --tokens N      tokens per rank (default 0 = the shape's: 8192, 16384, 8192)
             --iters N       timed iterations after 3 warm-ups (default 10)
@@ -68,7 +70,7 @@ int main(int argc, char** argv) {
                  {"seed", "1"}, {"engine", "auto"}}));
     }
     if (cmd == "bench") {
-      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"}}));
+      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"pass", "forward"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"}}));
     }
     std::fprintf(stderr, "mok: unknown command '%s' (expected demo, bench, info, help or version)\n", cmd.c_str());
     return 2;

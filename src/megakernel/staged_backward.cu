@@ -157,14 +157,77 @@ size_t BackwardBuffers::bytes() const {
          ones.bytes();
 }
 
+void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                    const ExpertWeights& w, const WeightGrads& grads, const StagedBackwardOptions& o, bool with_hs,
+                    cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  check_grads(s, grads);
+  const comm::ScheduleView& v = saved.schedule;
+  const int64_t T = s.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;
+  const int64_t R = bwd.buffer_rows;
+  gemm::Launch launch;
+  launch.grid = o.gemm_grid;
+  launch.error_flag = fwd.gemm_error.get();
+  launch.timeout_s = o.timeout_s;
+  const gemm::WgradOut mode = wgrad_out(grads.mode);
+
+  // Shared expert: dy unscaled, its weight gradients over this rank's tokens.
+  if (s.has_shared()) {
+    const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
+    gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
+                               bwd.shared_dg.get(), bwd.shared_du.get()},
+                              launch, stream);
+    gemm::dgrad_input({seg, H, S, bwd.shared_dg.get(), bwd.shared_du.get(), w.shared_gate, w.shared_up,
+                       bwd.shared_dx.get()},
+                      launch, stream);
+    if (with_hs) {
+      rebuild_hs<<<blocks_for(fwd.shared_rows * S / 2, 256, 4096), 256, 0, stream>>>(
+          nullptr, nullptr, T, nullptr, reinterpret_cast<const uint32_t*>(saved.shared_g),
+          reinterpret_cast<const uint32_t*>(saved.shared_u), reinterpret_cast<uint32_t*>(bwd.shared_hs.get()),
+          fwd.shared_rows, S / 2);
+      MOK_CUDA_CHECK(cudaGetLastError());
+    }
+    gemm::WgradArgs wa;
+    wa.seg = seg;
+    wa.mode = mode;
+    wa.problems[0] = {bwd.shared_dy.get(), bwd.shared_hs.get(), H, S, nullptr, grads.shared_down};
+    wa.problems[1] = {bwd.shared_dg.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
+    wa.problems[2] = {bwd.shared_du.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
+    wa.num_problems = 3;
+    gemm::wgrad(wa, launch, stream);
+  }
+
+  // Routed experts.
+  const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), R};
+  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, bwd.dg.get(), bwd.du.get()};
+  dh.row_w = bwd.row_w.get();
+  dh.dw_part = bwd.dw_part.get();
+  gemm::dgrad_hidden_swiglu(dh, launch, stream);
+  gemm::dgrad_input({seg, H, I, bwd.dg.get(), bwd.du.get(), w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
+  if (with_hs) {
+    rebuild_hs<<<blocks_for(R * I / 2, 256, 8192), 256, 0, stream>>>(
+        v.header, v.rows, 0, bwd.row_w.get(), reinterpret_cast<const uint32_t*>(saved.g),
+        reinterpret_cast<const uint32_t*>(saved.u), reinterpret_cast<uint32_t*>(bwd.hs.get()), R, I / 2);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  gemm::WgradArgs wa;
+  wa.seg = seg;
+  wa.mode = mode;
+  wa.problems[0] = {bwd.dy_rows.get(), bwd.hs.get(), H, I, nullptr, grads.down};
+  wa.problems[1] = {bwd.dg.get(), state.row_buffer(), I, H, nullptr, grads.gate};
+  wa.problems[2] = {bwd.du.get(), state.row_buffer(), I, H, nullptr, grads.up};
+  wa.num_problems = 3;
+  gemm::wgrad(wa, launch, stream);
+}
+
 void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                      const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
                      const StagedBackwardOptions& o, cudaStream_t stream) {
   const LayerShape& s = state.shape();
-  check_grads(s, grads);
+  check_grads(s, grads);  // before anything is enqueued
   const comm::ScheduleView& v = saved.schedule;
   const comm::SymmetricLayout& layout = state.layout();
-  const int64_t T = s.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate, K = s.topk;
+  const int64_t T = s.tokens, H = s.hidden, K = s.topk;
   const int64_t R = bwd.buffer_rows;
 
   // Stage: x, dy and the router weights where the rows' holders read them.
@@ -188,55 +251,7 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
                                               reinterpret_cast<uint4*>(bwd.dy_rows.get()), H * 2 / 16);
   MOK_CUDA_CHECK(cudaGetLastError());
 
-  gemm::Launch launch;
-  launch.grid = o.gemm_grid;
-  launch.error_flag = fwd.gemm_error.get();
-  launch.timeout_s = o.timeout_s;
-  const gemm::WgradOut mode = wgrad_out(grads.mode);
-
-  // Shared expert: dy unscaled, its weight gradients over this rank's tokens.
-  if (s.has_shared()) {
-    const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
-    gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
-                               bwd.shared_dg.get(), bwd.shared_du.get()},
-                              launch, stream);
-    gemm::dgrad_input({seg, H, S, bwd.shared_dg.get(), bwd.shared_du.get(), w.shared_gate, w.shared_up,
-                       bwd.shared_dx.get()},
-                      launch, stream);
-    rebuild_hs<<<blocks_for(fwd.shared_rows * S / 2, 256, 4096), 256, 0, stream>>>(
-        nullptr, nullptr, T, nullptr, reinterpret_cast<const uint32_t*>(saved.shared_g),
-        reinterpret_cast<const uint32_t*>(saved.shared_u), reinterpret_cast<uint32_t*>(bwd.shared_hs.get()),
-        fwd.shared_rows, S / 2);
-    MOK_CUDA_CHECK(cudaGetLastError());
-    gemm::WgradArgs wa;
-    wa.seg = seg;
-    wa.mode = mode;
-    wa.problems[0] = {bwd.shared_dy.get(), bwd.shared_hs.get(), H, S, nullptr, grads.shared_down};
-    wa.problems[1] = {bwd.shared_dg.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
-    wa.problems[2] = {bwd.shared_du.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
-    wa.num_problems = 3;
-    gemm::wgrad(wa, launch, stream);
-  }
-
-  // Routed experts.
-  const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), R};
-  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, bwd.dg.get(), bwd.du.get()};
-  dh.row_w = bwd.row_w.get();
-  dh.dw_part = bwd.dw_part.get();
-  gemm::dgrad_hidden_swiglu(dh, launch, stream);
-  gemm::dgrad_input({seg, H, I, bwd.dg.get(), bwd.du.get(), w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
-  rebuild_hs<<<blocks_for(R * I / 2, 256, 8192), 256, 0, stream>>>(
-      v.header, v.rows, 0, bwd.row_w.get(), reinterpret_cast<const uint32_t*>(saved.g),
-      reinterpret_cast<const uint32_t*>(saved.u), reinterpret_cast<uint32_t*>(bwd.hs.get()), R, I / 2);
-  MOK_CUDA_CHECK(cudaGetLastError());
-  gemm::WgradArgs wa;
-  wa.seg = seg;
-  wa.mode = mode;
-  wa.problems[0] = {bwd.dy_rows.get(), bwd.hs.get(), H, I, nullptr, grads.down};
-  wa.problems[1] = {bwd.dg.get(), state.row_buffer(), I, H, nullptr, grads.gate};
-  wa.problems[2] = {bwd.du.get(), state.row_buffer(), I, H, nullptr, grads.up};
-  wa.num_problems = 3;
-  gemm::wgrad(wa, launch, stream);
+  backward_gemms(state, fwd, bwd, saved, w, grads, o, /*with_hs=*/true, stream);
 
   // d topk_w to the owners, dx rows to the owners' slots (the combine's barrier covers both).
   push_dtopk<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, bwd.dw_part.get(),

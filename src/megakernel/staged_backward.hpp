@@ -48,4 +48,11 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
                      const BackwardArgs& args, const ExpertWeights& weights, const WeightGrads& grads,
                      const StagedBackwardOptions& options, cudaStream_t stream);
 
+// Only the backward's GEMMs (shared then routed: dh + SwiGLU backward, dx, K-grouped weight
+// gradients) on the rows already pulled (row buffer, dy rows, row weights): the "GEMMs alone"
+// yardstick (with_hs false: without the elementwise hs rebuild) and the unfused baseline's GEMMs.
+void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                    const ExpertWeights& weights, const WeightGrads& grads, const StagedBackwardOptions& options,
+                    bool with_hs, cudaStream_t stream);
+
 }  // namespace mok::megakernel

@@ -1,0 +1,292 @@
+// bench_backward: mok's backward pass per rank on every local GPU (EP = the GPUs used, one
+// thread per GPU) for the DESIGN §8 shapes, side by side in one run:
+//   bwd_ms               the backward mok::backward runs (today the staged GPU backward: the steps
+//                        as separate launches over the layer's saved context; bwd_path says which)
+//   bwd_staged_ms        the staged backward (the fused backward's oracle)
+//   bwd_gemms_alone_ms   only the backward's grouped GEMMs (shared + routed dh + SwiGLU backward,
+//                        dx, K-grouped weight gradients) on the rows already pulled, every SM
+//   bwd_unfused_ms       what a careful user builds without fusion: permute + NCCL all-to-all of the
+//                        dy rows, mok's standalone GEMM kinds (the same as above, with the hs
+//                        rebuild), permute + all-to-all of the dx rows back, mok's fixed-order sum.
+//                        Favoured: index maps, row weights and x rows kept from the forward
+//                        (computed once), and no d topk_w return trip
+//   step_ms              schedule + fused forward + backward through the API (one training step of the layer)
+//   cublas_dense_tflops  one cuBLAS bf16 GEMM of the backward's FLOPs ([2M, 3I] x [3I, H])
+//   context_bytes, workspace_bytes  Context::bytes, Workspace::device_bytes
+// useful TFLOP/s = 2 x the forward's useful FLOPs per rank / time (recompute not counted).
+// Steady state and medians as bench_forward (bench_timing.hpp); the slowest rank's median is
+// reported. Bitwise: the unfused baseline's dx equals the staged backward's (same GEMM tiles,
+// same sum); dx_hash (FNV-1a 64 of the staged dx) compares builds.
+//
+//   bench_backward [--shapes dsv3,qwen3,gptoss] [--iters 10] [--warmup 3] [--warm-ms 300]
+//                  [--tokens N] [--ep N] [--out bench/results/2026-12-03-backward.json]
+#include <cublas_v2.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_record.hpp"
+#include "bench_timing.hpp"
+#include "bench_unfused.cuh"
+#include "comm/cuda_check.hpp"
+#include "host/workspace_impl.hpp"
+#include "megakernel/bench_support.hpp"
+#include "megakernel/staged_backward.hpp"
+#include "mok/api.hpp"
+#include "mok/bootstrap.hpp"
+
+namespace {
+
+using namespace mok;
+using bench::gather_rows;
+using bench::time_ms;
+
+struct Options {
+  std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
+  int iters = 10, warmup = 3;
+  double warm_ms = 300;
+  int64_t tokens = 0;
+  int ep = 0;
+  std::string out = "bench_backward.json";
+};
+
+std::vector<std::string> split(const std::string& v) {
+  std::vector<std::string> out;
+  std::stringstream ss(v);
+  for (std::string x; std::getline(ss, x, ',');) out.push_back(x);
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--shapes") o.shapes = split(v);
+    else if (k == "--iters") o.iters = std::stoi(v);
+    else if (k == "--warmup") o.warmup = std::stoi(v);
+    else if (k == "--warm-ms") o.warm_ms = std::stod(v);
+    else if (k == "--tokens") o.tokens = std::stoll(v);
+    else if (k == "--ep") o.ep = std::stoi(v);
+    else if (k == "--out") o.out = v;
+    else {
+      std::fprintf(stderr, "bench_backward: unknown option %s\n", k.c_str());
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+#define CUBLAS_OK(x)                                                                                              \
+  do {                                                                                                            \
+    const cublasStatus_t s_ = (x);                                                                                \
+    if (s_ != CUBLAS_STATUS_SUCCESS) throw Error(Status::kCudaError, "cuBLAS status " + std::to_string(int(s_))); \
+  } while (0)
+
+uint64_t fnv1a64(const void* p, size_t bytes, cudaStream_t st) {
+  std::vector<unsigned char> h(bytes);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(h.data(), p, bytes, cudaMemcpyDeviceToHost, st));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+  uint64_t x = 1469598103934665603ull;
+  for (unsigned char c : h) x = (x ^ c) * 1099511628211ull;
+  return x;
+}
+
+// The unfused backward: dy rows out and dx rows back through NCCL all-to-all around mok's GEMMs.
+struct Unfused : bench::UnfusedMaps {
+  using UnfusedMaps::UnfusedMaps;
+  void run(Workspace& ws, const BackwardArgs& a, const ExpertWeights& w, const WeightGrads& g, ncclComm_t comm,
+           cudaStream_t st) {
+    Workspace::Impl& impl = ws.impl();
+    comm::CommState& state = *impl.state;
+    megakernel::BackwardBuffers& bb = *impl.backward;
+    const LayerShape& s = state.shape();
+    const int64_t row_bytes = s.hidden * 2;
+    gather_rows(send.get(), a.dy, send_map.get(), total_send, row_bytes, st);
+    all_to_all(send.get(), send_rows, recv.get(), recv_rows, row_bytes, comm, st);
+    gather_rows(bb.dy_rows.get(), recv.get(), unpack_map.get(), padded_rows, row_bytes, st);
+    if (s.has_shared()) {
+      MOK_CUDA_CHECK(cudaMemcpyAsync(bb.shared_dy.get(), a.dy, s.tokens * row_bytes, cudaMemcpyDeviceToDevice, st));
+    }
+    megakernel::StagedBackwardOptions o;  // GEMMs on every SM
+    megakernel::backward_gemms(state, *impl.forward, bb, impl.own_context->impl().saved, w, g, o, true, st);
+    gather_rows(back.get(), bb.dx_rows.get(), back_map.get(), total_recv, row_bytes, st);
+    all_to_all(back.get(), recv_rows, recv_back.get(), send_rows, row_bytes, comm, st);
+    gather_rows(state.window_local() + state.layout().slots, recv_back.get(), slot_map.get(), s.tokens * s.topk,
+                row_bytes, st);
+    state.epilogue(bb.ones.get(), s.has_shared() ? bb.shared_dx.get() : nullptr, nullptr, a.dx, st);
+  }
+};
+
+struct RankResult {
+  double staged_ms = 0, gemms_ms = 0, unfused_ms = 0, step_ms = 0, cublas_ms = 0, cublas_flops = 0;
+  int64_t unfused_vs_staged = -1;
+  uint64_t dx_hash = 0;
+  size_t context_bytes = 0, workspace_bytes = 0;
+};
+
+RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
+                     bootstrap::LocalRank& lr, std::barrier<>& sync) {
+  RankResult res;
+  Config cfg;  // capacity 2.0, automatic minibatch
+  auto ws = Workspace::create(s, cfg, lr.comm, lr.device);
+  Workspace::Impl& impl = ws->impl();
+  cudaStream_t st;
+  MOK_CUDA_CHECK(cudaStreamCreate(&st));
+  megakernel::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
+  const ExpertWeights w = L.weights();
+  const size_t TH = size_t(s.tokens) * s.hidden, TK = size_t(s.tokens) * s.topk;
+  comm::DeviceBuffer<bf16> dy(TH), dx(TH), dx_ref(TH);
+  comm::DeviceBuffer<float> dtopk(TK);
+  megakernel::fill_random_bf16(dy.get(), TH, 11 + lr.rank, 1e-2f, st);
+  const size_t routed = size_t(s.local_experts()) * s.intermediate * s.hidden, shared = size_t(s.shared_intermediate) * s.hidden;
+  comm::DeviceBuffer<float> gg(routed), gu(routed), gd(routed), sg(shared), su(shared), sd(shared);
+  for (auto* b : {&gg, &gu, &gd, &sg, &su, &sd}) {
+    if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), st));
+  }
+  const WeightGrads grads{GradMode::kAccumulateFp32, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
+  const BackwardArgs bargs{L.x.get(), L.topk_w.get(), dy.get(), dx.get(), dtopk.get()};
+  res.context_bytes = Context::bytes(s, cfg);
+  res.workspace_bytes = ws->device_bytes();
+
+  // One step through the API: the context the timed backwards below replay.
+  schedule(*ws, L.topk_idx.get(), st);
+  forward(*ws, L.args(), w, st);
+  backward(*ws, bargs, w, grads, st);
+  ws->check();
+  MOK_CUDA_CHECK(cudaMemcpyAsync(dx_ref.get(), dx.get(), dx.bytes(), cudaMemcpyDeviceToDevice, st));
+  res.dx_hash = fnv1a64(dx.get(), dx.bytes(), st);
+
+  megakernel::StagedBackwardOptions so;
+  so.comm_ctas = cfg.effective_comm_sms_backward(s);
+  so.timeout_s = cfg.wait_timeout_s;
+  const megakernel::SavedContext& saved = impl.own_context->impl().saved;
+  res.staged_ms = time_ms(o, sync, st, [&] {
+    megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, so, st);
+  });
+  ws->check();
+  res.gemms_ms = time_ms(o, sync, st, [&] {
+    megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads, megakernel::StagedBackwardOptions{},
+                               false, st);
+  });
+  ws->check();
+  res.step_ms = time_ms(o, sync, st, [&] {
+    schedule(*ws, L.topk_idx.get(), st);
+    forward(*ws, L.args(), w, st);
+    backward(*ws, bargs, w, grads, st);
+  });
+  ws->check();
+  {  // the unfused baseline, after a staged backward left the x rows and row weights in place
+    comm::ScheduleHeader h{};
+    MOK_CUDA_CHECK(cudaMemcpy(&h, saved.schedule.header, sizeof(h), cudaMemcpyDeviceToHost));
+    std::vector<comm::RowEntry> rows(h.padded_rows);
+    MOK_CUDA_CHECK(cudaMemcpy(rows.data(), saved.schedule.rows, rows.size() * sizeof(comm::RowEntry),
+                              cudaMemcpyDeviceToHost));
+    Unfused base(s, lr.rank, routing, rows);
+    res.unfused_ms = time_ms(o, sync, st, [&] { base.run(*ws, bargs, w, grads, lr.comm, st); });
+    ws->check();
+    res.unfused_vs_staged = megakernel::count_mismatches(dx_ref.get(), dx.get(), dx.size(), st);
+  }
+  {  // cuBLAS dense GEMM of (about) the backward's FLOPs: [M, 3I] x [H, 3I]^T, M rounded up to 128
+    const int64_t N = s.hidden, K = 3 * s.intermediate;
+    const int64_t M = (static_cast<int64_t>(2.0 * megakernel::forward_flops(s) / (2.0 * N * K)) + 127) / 128 * 128;
+    comm::DeviceBuffer<bf16> A(M * K), B(N * K), C(M * N);
+    megakernel::fill_random_bf16(A.get(), A.size(), 91, 1.0f, st);
+    megakernel::fill_random_bf16(B.get(), B.size(), 92, 0.02f, st);
+    cublasHandle_t blas;
+    CUBLAS_OK(cublasCreate(&blas));
+    CUBLAS_OK(cublasSetStream(blas, st));
+    const float one = 1.0f, zero = 0.0f;
+    res.cublas_ms = time_ms(o, sync, st, [&] {
+      CUBLAS_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B.get(), CUDA_R_16BF,
+                             int(K), A.get(), CUDA_R_16BF, int(K), &zero, C.get(), CUDA_R_16BF, int(N),
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    res.cublas_flops = 2.0 * double(M) * double(N) * double(K);
+    cublasDestroy(blas);
+  }
+  MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+  sync.arrive_and_wait();  // nobody frees its window while a peer may still read it
+  MOK_CUDA_CHECK(cudaStreamDestroy(st));
+  return res;
+}
+
+std::string fmt(double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.4f", v);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  const int gpus = bootstrap::local_device_count();
+  if (gpus < 1) {
+    std::printf("bench_backward: no CUDA device visible, nothing measured\n");
+    return 0;
+  }
+  const int ep = o.ep > 0 ? std::min(o.ep, gpus) : gpus;
+  std::vector<LayerShape> shapes;
+  std::vector<std::vector<std::vector<int32_t>>> routings;
+  for (const auto& name : o.shapes) {
+    shapes.push_back(megakernel::bench_shape(name, ep, o.tokens));
+    routings.push_back(megakernel::uniform_routing(shapes.back(), 2026));
+  }
+  std::vector<std::vector<RankResult>> res(shapes.size(), std::vector<RankResult>(ep));
+  std::barrier<> sync(ep);
+  std::vector<int> devices(ep);
+  for (int i = 0; i < ep; ++i) devices[i] = i;
+  bootstrap::run_local_ranks(devices, [&](bootstrap::LocalRank& lr) {
+    for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, shapes[i], routings[i], lr, sync);
+  });
+  std::ostringstream results;
+  std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = staged\n", ep,
+              gpus, o.iters);
+  std::printf("%-7s %9s %9s %9s %9s %9s %9s %9s %9s %6s\n", "shape", "bwd_ms", "TFLOP/s", "of_cublas", "gemms",
+              "bwd/gemm", "unfused", "unf/bwd", "step_ms", "u==s");
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const LayerShape& s = shapes[i];
+    auto worst = [&](auto get) {
+      double m = 0;
+      for (const auto& r : res[i]) m = std::max(m, get(r));
+      return m;
+    };
+    const double flops = 2.0 * megakernel::forward_flops(s);
+    const double bwd = worst([](const RankResult& r) { return r.staged_ms; });
+    const double gemms = worst([](const RankResult& r) { return r.gemms_ms; });
+    const double unfused = worst([](const RankResult& r) { return r.unfused_ms; });
+    const double step = worst([](const RankResult& r) { return r.step_ms; });
+    const double cublas_tf = res[i][0].cublas_flops / worst([](const RankResult& r) { return r.cublas_ms; }) / 1e9;
+    bool us = true;
+    for (const auto& r : res[i]) us &= r.unfused_vs_staged == 0;
+    const double tf = flops / bwd / 1e9;
+    std::printf("%-7s %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6s\n", o.shapes[i].c_str(), bwd, tf,
+                tf / cublas_tf, gemms, bwd / gemms, unfused, unfused / bwd, step, us ? "yes" : "NO");
+    char hash[32];
+    std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(res[i][0].dx_hash));
+    std::printf("%-7s dx_hash %s  context %.1f MB  workspace %.1f MB  cuBLAS dense %.1f TFLOP/s\n", o.shapes[i].c_str(),
+                hash, res[i][0].context_bytes / 1e6, res[i][0].workspace_bytes / 1e6, cublas_tf);
+    results << (i ? ",\n  " : "") << "{\"bench\": \"backward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
+            << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"warm_ms\": " << fmt(o.warm_ms)
+            << ", \"bwd_path\": \"staged\", \"metrics\": {"
+            << "\"bwd_ms\": " << fmt(bwd) << ", \"bwd_tflops\": " << fmt(tf) << ", \"bwd_gemms_alone_ms\": " << fmt(gemms)
+            << ", \"bwd_unfused_ms\": " << fmt(unfused) << ", \"bwd_staged_ms\": " << fmt(bwd)
+            << ", \"cublas_dense_tflops\": " << fmt(cublas_tf) << ", \"bwd_tflops_over_cublas\": " << fmt(tf / cublas_tf)
+            << ", \"bwd_over_gemms_alone\": " << fmt(bwd / gemms) << ", \"unfused_over_bwd\": " << fmt(unfused / bwd)
+            << ", \"unfused_dx_equals_staged\": " << (us ? "true" : "false") << ", \"context_bytes\": "
+            << res[i][0].context_bytes << ", \"workspace_bytes\": " << res[i][0].workspace_bytes << ", \"dx_hash\": \""
+            << hash << "\"}},\n  {\"bench\": \"step\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
+            << ", \"tokens_per_rank\": " << s.tokens << ", \"metrics\": {\"step_ms\": " << fmt(step) << "}}";
+  }
+  if (ep < 2) std::printf("NOTE: EP=1 (one GPU): no NVLink traffic\n");
+  std::ofstream f(o.out);
+  f << bench::record_envelope(bench::command_line(argc, argv), "[\n  " + results.str() + "\n]");
+  std::printf("wrote %s\n", o.out.c_str());
+  return f ? 0 : 1;
+}
