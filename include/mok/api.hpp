@@ -131,7 +131,8 @@ class Context {
   // [T, I_shared] in bf16.
   static size_t bytes(const LayerShape& shape, const Config& config);
   // mok allocates the block on `stream` (stream-ordered, cudaMallocAsync) and frees it when the
-  // context is destroyed (on the stream of its last use).
+  // context is destroyed (cudaFree: it waits for the device's work, so destroy contexts after
+  // their last use, not inside a step).
   static std::unique_ptr<Context> create(Workspace& ws, cudaStream_t stream);
   // The caller's memory (a torch-allocated tensor, say): `bytes` >= Context::bytes(shape, config),
   // 256-byte aligned, on the workspace's device; it must outlive the context's last use.

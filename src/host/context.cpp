@@ -65,14 +65,17 @@ std::unique_ptr<Context> Context::create(Workspace& ws, void* memory, size_t byt
   return std::make_unique<Context>(std::move(impl));
 }
 
+// cudaFree, not cudaFreeAsync on the stream of the last use: the caller may have destroyed that
+// stream by now (bench_backward did, and the free on it crashed in the driver). cudaFree of a
+// stream-ordered allocation waits for the device's work first.
 Context::~Context() {
   if (impl_ && impl_->owned && impl_->base != nullptr) {
     int previous = -1;
     cudaGetDevice(&previous);
     cudaSetDevice(impl_->device);
-    const cudaError_t e = cudaFreeAsync(impl_->base, impl_->stream);
+    const cudaError_t e = cudaFree(impl_->base);
     if (e != cudaSuccess) std::fprintf(stderr, "mok: freeing a context: %s\n", cudaGetErrorString(e));
-    if (previous >= 0) cudaSetDevice(previous);
+    if (previous >= 0 && previous != impl_->device) cudaSetDevice(previous);
   }
 }
 

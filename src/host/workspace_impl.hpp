@@ -28,7 +28,7 @@ struct Context::Impl {
   char* base = nullptr;
   size_t bytes = 0;
   bool owned = false;             // mok allocated `base` (stream-ordered) and frees it
-  cudaStream_t stream = nullptr;  // the stream of the last use (the free is ordered after it)
+  cudaStream_t stream = nullptr;  // the stream of the last use
   State state = State::kEmpty;
   // false when the forward ran the macrobatch ring (its g, u are not all in the block; the
   // backward's recompute of the rest is not built yet)
