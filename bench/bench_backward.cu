@@ -19,7 +19,10 @@
 // same sum); dx_hash (FNV-1a 64 of the staged dx) compares builds.
 //
 //   bench_backward [--shapes dsv3,qwen3,gptoss] [--iters 10] [--warmup 3] [--warm-ms 300]
-//                  [--tokens N] [--ep N] [--out bench/results/2026-12-03-backward.json]
+//                  [--tokens N] [--ep N] [--grad-mode fp32|bf16] [--out bench/results/2026-12-03-backward.json]
+// --grad-mode (default fp32): weight gradients added into fp32 main grads, or written bf16. At EP 1
+// every expert's gradient is on one GPU (dsv3: 11.3 G parameters): fp32 adds read and write
+// 90 GB per pass there, a floor of ~19 ms at the H200's ~4.8 TB/s.
 #include <cublas_v2.h>
 #include <nccl.h>
 
@@ -53,6 +56,7 @@ struct Options {
   double warm_ms = 300;
   int64_t tokens = 0;
   int ep = 0;
+  GradMode mode = GradMode::kAccumulateFp32;  // --grad-mode fp32 (add into fp32 main grads) | bf16 (write)
   std::string out = "bench_backward.json";
 };
 
@@ -74,6 +78,13 @@ Options parse(int argc, char** argv) {
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--out") o.out = v;
+    else if (k == "--grad-mode") {
+      if (v != "fp32" && v != "bf16") {
+        std::fprintf(stderr, "bench_backward: --grad-mode: expected fp32 or bf16, got %s\n", v.c_str());
+        std::exit(2);
+      }
+      o.mode = v == "bf16" ? GradMode::kWriteBf16 : GradMode::kAccumulateFp32;
+    }
     else {
       std::fprintf(stderr, "bench_backward: unknown option %s\n", k.c_str());
       std::exit(2);
@@ -145,11 +156,11 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   comm::DeviceBuffer<float> dtopk(TK);
   megakernel::fill_random_bf16(dy.get(), TH, 11 + lr.rank, 1e-2f, st);
   const size_t routed = size_t(s.local_experts()) * s.intermediate * s.hidden, shared = size_t(s.shared_intermediate) * s.hidden;
-  comm::DeviceBuffer<float> gg(routed), gu(routed), gd(routed), sg(shared), su(shared), sd(shared);
+  comm::DeviceBuffer<float> gg(routed), gu(routed), gd(routed), sg(shared), su(shared), sd(shared);  // bf16 mode: half used
   for (auto* b : {&gg, &gu, &gd, &sg, &su, &sd}) {
     if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), st));
   }
-  const WeightGrads grads{GradMode::kAccumulateFp32, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
+  const WeightGrads grads{o.mode, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
   const BackwardArgs bargs{L.x.get(), L.topk_w.get(), dy.get(), dx.get(), dtopk.get()};
   res.context_bytes = Context::bytes(s, cfg);
   res.workspace_bytes = ws->device_bytes();
@@ -246,8 +257,9 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, shapes[i], routings[i], lr, sync);
   });
   std::ostringstream results;
-  std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = staged\n", ep,
-              gpus, o.iters);
+  std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = staged; "
+              "weight gradients %s\n",
+              ep, gpus, o.iters, o.mode == GradMode::kWriteBf16 ? "written bf16" : "added into fp32");
   std::printf("%-7s %9s %9s %9s %9s %9s %9s %9s %9s %6s\n", "shape", "bwd_ms", "TFLOP/s", "of_cublas", "gemms",
               "bwd/gemm", "unfused", "unf/bwd", "step_ms", "u==s");
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -274,7 +286,8 @@ int main(int argc, char** argv) {
                 hash, res[i][0].context_bytes / 1e6, res[i][0].workspace_bytes / 1e6, cublas_tf);
     results << (i ? ",\n  " : "") << "{\"bench\": \"backward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
             << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"warm_ms\": " << fmt(o.warm_ms)
-            << ", \"bwd_path\": \"staged\", \"metrics\": {"
+            << ", \"bwd_path\": \"staged\", \"grad_mode\": \"" << (o.mode == GradMode::kWriteBf16 ? "bf16" : "fp32")
+            << "\", \"metrics\": {"
             << "\"bwd_ms\": " << fmt(bwd) << ", \"bwd_tflops\": " << fmt(tf) << ", \"bwd_gemms_alone_ms\": " << fmt(gemms)
             << ", \"bwd_unfused_ms\": " << fmt(unfused) << ", \"bwd_staged_ms\": " << fmt(bwd)
             << ", \"cublas_dense_tflops\": " << fmt(cublas_tf) << ", \"bwd_tflops_over_cublas\": " << fmt(tf / cublas_tf)
