@@ -37,7 +37,7 @@ step() {  # name, time limit (s), command...
   local rc=$?
   [ $rc = 0 ] || FAILED=$((FAILED + 1))
   local what
-  what=$(grep -E '^\[  (PASSED|FAILED) +\]|tests? (passed|failed)|ERROR SUMMARY|RACECHECK SUMMARY|bitwise identical|final loss' "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-140)
+  what=$(grep -E '^\[  (PASSED|FAILED) +\]|tests? (passed|failed)|ERROR SUMMARY|RACECHECK SUMMARY|bitwise identical|final loss|^soak:' "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-140)
   STEPS+=("$(printf '%-22s rc=%-4s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$what")")
   printf '%s\n' "${STEPS[@]}" > "$OUT/summary.log"
   tar czf "$OUT/logs.tgz" -C "$LOGS" .  # at most 8 files come back: one archive
@@ -69,6 +69,7 @@ run() {
   step memcheck_bwd     150 $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc:Shapes/BackwardVsReference.*top8_E16_shared_ep1_bf16'
   step racecheck_bwd    300 $SAN --tool racecheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
+  step soak             400 $BIN/mok soak --steps ${SOAK_STEPS:-2000} --out "$OUT/soak.json"
   # EP 2 as simulated ranks on one GPU (tests/gpu/test_comm_harness.cuh): every peer pointer is
   # on this device, so memcheck sees the cross-rank stores too. Only with fewer GPUs than 2.
   if [ "$NGPU" -lt 2 ]; then

@@ -23,5 +23,6 @@ class Options {
 int run_demo(const Options& opts);
 int run_info();
 int run_bench(const Options& opts);
+int run_soak(const Options& opts);
 
 }  // namespace mok::cli

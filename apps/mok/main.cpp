@@ -38,6 +38,15 @@ commands:
                             power-capped clock; 0 times right after the warm-ups)
             --macrobatch R  Config::macrobatch: routed rows kept resident (default 0 = all;
                             below the routed buffer the fused forward runs them through a ring)
+  soak    training steps with fresh random routing every step (uniform, Zipf-skewed, all
+          tokens to one expert, empty experts) on every local GPU: the fused and the staged
+          forward, each with the GPU backward, compared bit for bit every step
+            --steps N       steps (default 2000)
+            --log-every N   progress line every N steps (default 250)
+            --tokens N      tokens per rank (default 2048; the layer is H 1024, I 512,
+                            I_shared 512, E 32, top-4)
+            --seed N        seed of the routing and data (default 1)
+            --out FILE      also write the counts as a bench/results record (JSON)
   info    what this build contains: engine, GPUs, NCCL
   help    this text (also --help, -h)
   version print the version
@@ -72,7 +81,11 @@ int main(int argc, char** argv) {
     if (cmd == "bench") {
       return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"pass", "forward"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"}}));
     }
-    std::fprintf(stderr, "mok: unknown command '%s' (expected demo, bench, info, help or version)\n", cmd.c_str());
+    if (cmd == "soak") {
+      return mok::cli::run_soak(
+          mok::cli::Options(rest, {{"steps", "2000"}, {"log-every", "250"}, {"seed", "1"}, {"tokens", "2048"}, {"out", ""}}));
+    }
+    std::fprintf(stderr, "mok: unknown command '%s' (expected demo, bench, soak, info, help or version)\n", cmd.c_str());
     return 2;
   } catch (const mok::Error& e) {
     std::fprintf(stderr, "mok %s: error (%s): %s\n", cmd.c_str(), mok::status_name(e.status()), e.what());

@@ -63,6 +63,10 @@ struct ForwardArgs {
   // Where this forward saves what its backward needs (the routing table, g, u); nullptr: the
   // workspace's own context (one layer, or a backward right after its forward).
   Context* context = nullptr;
+  // false: keep only the routing table (activation checkpointing); the backward then recomputes
+  // g, u from x (GEMM 1 of the forward again, the same bits), or recompute_forward_context
+  // refills the context first. The macrobatch ring (Config::macrobatch) implies it.
+  bool save_activations = true;
 };
 
 struct BackwardArgs {
@@ -126,17 +130,20 @@ class Workspace {
 // context that no forward filled or a backward already consumed, throws kInvalidArgument).
 class Context {
  public:
-  // Device bytes of one context (docs/architecture.md "Memory"): the routing table
-  // (~16 B per buffer row + 4 B per global (t, k)) plus g, u [buffer_rows, I] and shared g, u
-  // [T, I_shared] in bf16.
-  static size_t bytes(const LayerShape& shape, const Config& config);
+  // What a context has room for: the routing table and the activations (g, u, shared g, u), or
+  // the routing table alone (the backward recomputes the activations from x).
+  enum class Keep { kActivations = 0, kRoutingOnly = 1 };
+  // Device bytes of one context (docs/architecture.md "Buffers and sizes"): the routing table
+  // (~16 B per buffer row + 4 B per global (t, k)) plus, with kActivations, g, u
+  // [buffer_rows, I] and shared g, u [T, I_shared] in bf16.
+  static size_t bytes(const LayerShape& shape, const Config& config, Keep keep = Keep::kActivations);
   // mok allocates the block on `stream` (stream-ordered, cudaMallocAsync) and frees it when the
   // context is destroyed (cudaFree: it waits for the device's work, so destroy contexts after
   // their last use, not inside a step).
-  static std::unique_ptr<Context> create(Workspace& ws, cudaStream_t stream);
-  // The caller's memory (a torch-allocated tensor, say): `bytes` >= Context::bytes(shape, config),
-  // 256-byte aligned, on the workspace's device; it must outlive the context's last use.
-  static std::unique_ptr<Context> create(Workspace& ws, void* memory, size_t bytes);
+  static std::unique_ptr<Context> create(Workspace& ws, cudaStream_t stream, Keep keep = Keep::kActivations);
+  // The caller's memory (a torch-allocated tensor, say): `bytes` >= Context::bytes(shape, config,
+  // keep), 256-byte aligned, on the workspace's device; it must outlive the context's last use.
+  static std::unique_ptr<Context> create(Workspace& ws, void* memory, size_t bytes, Keep keep = Keep::kActivations);
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -144,6 +151,8 @@ class Context {
   size_t bytes() const;
   // A forward filled it and no backward consumed it yet.
   bool saved() const;
+  // It holds the activations (else the backward recomputes them).
+  bool has_activations() const;
 
   struct Impl;
   Impl& impl() { return *impl_; }
@@ -152,7 +161,9 @@ class Context {
  private:
   std::unique_ptr<Impl> impl_;
 };
-inline size_t context_bytes(const LayerShape& shape, const Config& config) { return Context::bytes(shape, config); }
+inline size_t context_bytes(const LayerShape& shape, const Config& config, Context::Keep keep = Context::Keep::kActivations) {
+  return Context::bytes(shape, config, keep);
+}
 
 // Routing table for the next forward/backward: exchanged and derived on the GPU (DESIGN §2.1).
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream);
@@ -165,7 +176,10 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
 // expert's are this rank's partial sums (the caller all-reduces them like data-parallel ones).
 void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights,
               const WeightGrads& grads, cudaStream_t stream);
-// Rebuilds the forward context from x (activation checkpointing) without producing y.
+// Refills the activations of a context whose forward kept only the routing table
+// (ForwardArgs::save_activations false, or the macrobatch ring) from x (args.x, args.context),
+// without producing y and without a new routing exchange: the x rows over the saved table, then
+// GEMM 1 (the same bits as a forward that kept them). The context needs room for them (Keep::kActivations).
 void recompute_forward_context(Workspace& ws, const ForwardArgs& args,
                                const ExpertWeights& weights, cudaStream_t stream);
 

@@ -64,25 +64,30 @@ mok_status_t mok_workspace_check(mok_workspace_t ws);
 /* Device memory the workspace holds (mok::Workspace::device_bytes). */
 mok_status_t mok_workspace_bytes(mok_workspace_t ws, uint64_t* bytes);
 
+/* routing_only (mok::Context::Keep): 0 = room for the activations, 1 = the routing table only
+ * (the backward recomputes the activations). */
 /* Bytes of one context of this shape and config (mok::Context::bytes). */
-mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, uint64_t* bytes);
+mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, int32_t routing_only,
+                               uint64_t* bytes);
 /* mok allocates the context's memory on `stream` (stream-ordered) and frees it in destroy. */
-mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, mok_context_t* out);
+mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t routing_only, mok_context_t* out);
 /* The caller's device memory: >= mok_context_bytes, 256-byte aligned; it must outlive the context. */
-mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, mok_context_t* out);
+mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t routing_only,
+                                   mok_context_t* out);
 mok_status_t mok_context_destroy(mok_context_t ctx);
 
 mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_stream_t stream);
-/* ctx: where the forward saves what its backward needs; NULL: the workspace's own context. */
+/* ctx: where the forward saves what its backward needs; NULL: the workspace's own context.
+ * save_activations 0: keep only the routing table (activation checkpointing). */
 mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, void* y,
-                         const mok_expert_weights_t* weights, mok_stream_t stream);
+                         const mok_expert_weights_t* weights, int32_t save_activations, mok_stream_t stream);
 /* ctx: the matching forward's context (consumed); NULL: the workspace's own. */
 mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w,
                           const void* dy, void* dx, float* dtopk_w, const mok_expert_weights_t* weights,
                           const mok_weight_grads_t* grads, mok_stream_t stream);
-mok_status_t mok_recompute_forward_context(mok_workspace_t ws, const void* x, const float* topk_w,
-                                           const mok_expert_weights_t* weights,
-                                           mok_stream_t stream);
+/* Refills the activations of ctx (a forward with save_activations 0) from x. */
+mok_status_t mok_recompute_forward_context(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w,
+                                           const mok_expert_weights_t* weights, mok_stream_t stream);
 
 #ifdef __cplusplus
 }

@@ -137,12 +137,7 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
 
 DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, const ScheduleView& v, size_t src_offset,
                                          __nv_bfloat16* dst) {
-  if (row_buffer_is_ring()) {
-    throw_invalid("Config.macrobatch", "0 or at least the routed buffer (" + std::to_string(schedule_->buffer_rows) +
-                                           " rows) for the backward's pulls (they write every routed row)",
-                  std::to_string(config_.macrobatch));
-  }
-  DispatchLaunch l;
+  DispatchLaunch l;  // dst has every routed row (with the ring too: the caller's rows, not the ring)
   l.role = dispatch_role(dedup, v);
   l.role.x_offset = src_offset;
   l.role.row_buffer = reinterpret_cast<char*>(dst);

@@ -55,7 +55,8 @@ class CommState {
   DispatchLaunch dispatch_launch(int ctas, bool dedup);
   // The same over a saved routing table (a layer's forward context, src/megakernel/context.hpp),
   // pulling from window region `src_offset` ([T, H] bf16: SymmetricLayout::x or ::dy) into `dst`
-  // ([buffer_rows, H]): the backward's pulls of x and dy.
+  // ([buffer_rows, H], every routed row, also when row_buffer() is the macrobatch ring): the
+  // backward's pulls of x and dy.
   DispatchLaunch dispatch_launch(int ctas, bool dedup, const ScheduleView& view, size_t src_offset,
                                  __nv_bfloat16* dst);
   // The roles alone (no barrier epoch consumed): what dispatch_launch / combine_launch carry,

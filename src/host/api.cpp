@@ -24,10 +24,6 @@ EngineInfo engine_info() {
 
 namespace {
 
-[[noreturn]] void not_implemented(const char* what, const std::string& why) {
-  throw Error(Status::kNotImplemented, std::string("mok::") + what + ": " + why);
-}
-
 void check_forward_args(const Workspace& ws, const ForwardArgs& args, const ExpertWeights& w) {
   if (args.x == nullptr) throw_invalid("ForwardArgs.x", "a device pointer to [T, H] bf16", "nullptr");
   if (args.topk_w == nullptr) throw_invalid("ForwardArgs.topk_w", "a device pointer to [T, K] fp32", "nullptr");
@@ -58,26 +54,63 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   Workspace::Impl& impl = ws.impl();
   Context::Impl& ctx = context_of(impl, args.context, "ForwardArgs.context");
   DeviceGuard guard(impl.device);
+  // The activations go to the context when it keeps them; else (and with the ring, whose routed
+  // g, u stay in its slots) to the backward's recompute scratch, where nothing reads them.
+  const bool keep = ctx.layout.activations && args.save_activations && !impl.forward->ring();
+  megakernel::SavedContext target = ctx.saved;
+  if (!keep) {
+    target.g = impl.backward->g.get();
+    target.u = impl.backward->u.get();
+    target.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
+    target.shared_u = impl.shape.has_shared() ? impl.backward->shared_u.get() : nullptr;
+  }
   if (impl.forward_path == megakernel::ForwardPath::kFused) {
     megakernel::FusedForwardOptions options = impl.fused;
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
-    megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, ctx.saved, stream);
+    megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
   } else {
     megakernel::StagedForwardOptions options;
     options.dispatch_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.combine_ctas = options.dispatch_ctas;
     options.gemm_grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
-    megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, ctx.saved, stream);
+    megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
   }
   megakernel::save_schedule(*impl.state, *impl.forward, ctx.layout, ctx.base, stream);
   ctx.state = Context::Impl::State::kSaved;
-  ctx.complete = !impl.forward->ring();
+  ctx.complete = keep;
   ctx.stream = stream;
   impl.last_stream = stream;
 }
+
+namespace {
+
+megakernel::StagedBackwardOptions backward_options(const Workspace::Impl& impl) {
+  megakernel::StagedBackwardOptions options;
+  options.comm_ctas = impl.config.effective_comm_sms_backward(impl.shape);
+  options.gemm_grid = impl.config.grid_sms;
+  options.timeout_s = impl.config.wait_timeout_s;
+  return options;
+}
+
+// The saved context as the backward reads it: without activations (g == nullptr) it recomputes them.
+megakernel::SavedContext as_saved(const Context::Impl& ctx) {
+  megakernel::SavedContext c = ctx.saved;
+  if (!ctx.complete) c.g = c.u = c.shared_g = c.shared_u = nullptr;
+  return c;
+}
+
+void require_saved(const Context::Impl& ctx, const char* argument) {
+  if (ctx.state != Context::Impl::State::kSaved) {
+    throw_invalid(argument, "the context of a forward that no backward consumed yet",
+                  ctx.state == Context::Impl::State::kEmpty ? "a context no forward filled"
+                                                            : "a context a backward already consumed");
+  }
+}
+
+}  // namespace
 
 void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights, const WeightGrads& grads,
               cudaStream_t stream) {
@@ -87,33 +120,31 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   if (args.dtopk_w == nullptr) throw_invalid("BackwardArgs.dtopk_w", "a device pointer to [T, K] fp32", "nullptr");
   Workspace::Impl& impl = ws.impl();
   Context::Impl& ctx = context_of(impl, args.context, "BackwardArgs.context");
-  if (ctx.state != Context::Impl::State::kSaved) {
-    throw_invalid("BackwardArgs.context", "the context of a forward that no backward consumed yet",
-                  ctx.state == Context::Impl::State::kEmpty ? "a context no forward filled"
-                                                            : "a context a backward already consumed");
-  }
-  if (!ctx.complete) {
-    not_implemented("backward",
-                    "the forward ran the macrobatch ring (Config::macrobatch below the routed buffer), whose saved "
-                    "context keeps only the last macrobatch of g, u; the backward's recompute of the others is not "
-                    "built yet: use Config::macrobatch = 0 for training");
-  }
+  require_saved(ctx, "BackwardArgs.context");
   DeviceGuard guard(impl.device);
-  megakernel::StagedBackwardOptions options;
-  options.comm_ctas = impl.config.effective_comm_sms_backward(impl.shape);
-  options.gemm_grid = impl.config.grid_sms;
-  options.timeout_s = impl.config.wait_timeout_s;
-  megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, ctx.saved, args, weights, grads, options,
-                              stream);
+  megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
+                              backward_options(impl), stream);
   ctx.state = Context::Impl::State::kConsumed;
   ctx.stream = stream;
   impl.last_stream = stream;
 }
 
-void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights, cudaStream_t) {
+void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights,
+                               cudaStream_t stream) {
   check_forward_args(ws, args, weights);
-  not_implemented("recompute_forward_context",
-                  "not built yet (activation checkpointing: run mok::forward again into the layer's context)");
+  Workspace::Impl& impl = ws.impl();
+  Context::Impl& ctx = context_of(impl, args.context, "ForwardArgs.context");
+  require_saved(ctx, "ForwardArgs.context");
+  if (!ctx.layout.activations) {
+    throw_invalid("ForwardArgs.context", "a context with room for the activations (Context::Keep::kActivations)",
+                  "a routing-only context (its backward recomputes them itself)");
+  }
+  DeviceGuard guard(impl.device);
+  megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, ctx.saved,
+                                    backward_options(impl), stream);
+  ctx.complete = true;
+  ctx.stream = stream;
+  impl.last_stream = stream;
 }
 
 }  // namespace mok

@@ -71,6 +71,15 @@ mok::Workspace& deref(mok_workspace_t ws) {
 
 cudaStream_t stream_of(mok_stream_t s) { return static_cast<cudaStream_t>(s); }
 
+[[noreturn]] void throw_invalid_flag(const char* argument, int32_t value) {
+  mok::throw_invalid(argument, "0 or 1", std::to_string(value));
+}
+
+mok::Context::Keep keep_of(int32_t routing_only) {
+  if (routing_only != 0 && routing_only != 1) throw_invalid_flag("routing_only", routing_only);
+  return routing_only ? mok::Context::Keep::kRoutingOnly : mok::Context::Keep::kActivations;
+}
+
 }  // namespace
 
 extern "C" {
@@ -125,26 +134,28 @@ mok_status_t mok_workspace_bytes(mok_workspace_t ws, uint64_t* bytes) {
   });
 }
 
-mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, uint64_t* bytes) {
+mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, int32_t routing_only,
+                               uint64_t* bytes) {
   return guarded([&] {
     require(bytes, "bytes");
-    *bytes = mok::Context::bytes(to_shape(shape), to_config(config));
+    *bytes = mok::Context::bytes(to_shape(shape), to_config(config), keep_of(routing_only));
   });
 }
 
-mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, mok_context_t* out) {
+mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t routing_only, mok_context_t* out) {
   return guarded([&] {
     require(out, "out");
     *out = nullptr;
-    *out = new mok_context{mok::Context::create(deref(ws), stream_of(stream))};
+    *out = new mok_context{mok::Context::create(deref(ws), stream_of(stream), keep_of(routing_only))};
   });
 }
 
-mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, mok_context_t* out) {
+mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t routing_only,
+                                   mok_context_t* out) {
   return guarded([&] {
     require(out, "out");
     *out = nullptr;
-    *out = new mok_context{mok::Context::create(deref(ws), memory, static_cast<size_t>(bytes))};
+    *out = new mok_context{mok::Context::create(deref(ws), memory, static_cast<size_t>(bytes), keep_of(routing_only))};
   });
 }
 
@@ -153,10 +164,11 @@ mok_status_t mok_context_destroy(mok_context_t ctx) {
 }
 
 mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, void* y,
-                         const mok_expert_weights_t* weights, mok_stream_t stream) {
+                         const mok_expert_weights_t* weights, int32_t save_activations, mok_stream_t stream) {
   return guarded([&] {
+    if (save_activations != 0 && save_activations != 1) throw_invalid_flag("save_activations", save_activations);
     mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<mok::bf16*>(y),
-                          ctx != nullptr ? ctx->ctx.get() : nullptr};
+                          ctx != nullptr ? ctx->ctx.get() : nullptr, save_activations == 1};
     mok::forward(deref(ws), args, to_weights(weights), stream_of(stream));
   });
 }
@@ -180,10 +192,10 @@ mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, 
   });
 }
 
-mok_status_t mok_recompute_forward_context(mok_workspace_t ws, const void* x, const float* topk_w,
+mok_status_t mok_recompute_forward_context(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w,
                                            const mok_expert_weights_t* weights, mok_stream_t stream) {
   return guarded([&] {
-    mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, nullptr};
+    mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, nullptr, ctx != nullptr ? ctx->ctx.get() : nullptr};
     mok::recompute_forward_context(deref(ws), args, to_weights(weights), stream_of(stream));
   });
 }

@@ -10,26 +10,29 @@
 namespace mok {
 namespace {
 
-std::unique_ptr<Context::Impl> new_context(Workspace& ws) {
+std::unique_ptr<Context::Impl> new_context(Workspace& ws, Context::Keep keep) {
+  if (keep != Context::Keep::kActivations && keep != Context::Keep::kRoutingOnly) {
+    throw_invalid("keep", "Context::Keep::kActivations or Context::Keep::kRoutingOnly", std::to_string(int(keep)));
+  }
   auto impl = std::make_unique<Context::Impl>();
   impl->workspace_serial = ws.impl().serial;
   impl->device = ws.impl().device;
-  impl->layout = megakernel::ContextLayout::make(ws.shape(), ws.config());
+  impl->layout = megakernel::ContextLayout::make(ws.shape(), ws.config(), keep == Context::Keep::kActivations);
   impl->bytes = impl->layout.total;
   return impl;
 }
 
 }  // namespace
 
-size_t Context::bytes(const LayerShape& shape, const Config& config) {
+size_t Context::bytes(const LayerShape& shape, const Config& config, Keep keep) {
   config.validate(shape);
-  return megakernel::ContextLayout::make(shape, config).total;
+  return megakernel::ContextLayout::make(shape, config, keep == Keep::kActivations).total;
 }
 
 Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream) {
-  auto impl = new_context(ws);
+std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream, Keep keep) {
+  auto impl = new_context(ws, keep);
   DeviceGuard guard(impl->device);
   void* p = nullptr;
   MOK_CUDA_CHECK(cudaMallocAsync(&p, impl->bytes, stream));
@@ -40,8 +43,8 @@ std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream) {
   return std::make_unique<Context>(std::move(impl));
 }
 
-std::unique_ptr<Context> Context::create(Workspace& ws, void* memory, size_t bytes) {
-  auto impl = new_context(ws);
+std::unique_ptr<Context> Context::create(Workspace& ws, void* memory, size_t bytes, Keep keep) {
+  auto impl = new_context(ws, keep);
   if (memory == nullptr) throw_invalid("memory", "a device pointer to Context::bytes(shape, config) bytes", "nullptr");
   if (reinterpret_cast<uintptr_t>(memory) % 256 != 0) {
     throw_invalid("memory", "a 256-byte aligned device pointer", "a pointer at offset " +
@@ -49,7 +52,8 @@ std::unique_ptr<Context> Context::create(Workspace& ws, void* memory, size_t byt
                                                                       " from 256-byte alignment");
   }
   if (bytes < impl->bytes) {
-    throw_invalid("bytes", "at least Context::bytes(shape, config) = " + std::to_string(impl->bytes), std::to_string(bytes));
+    throw_invalid("bytes", "at least Context::bytes(shape, config, keep) = " + std::to_string(impl->bytes),
+                  std::to_string(bytes));
   }
   cudaPointerAttributes attr{};
   MOK_CUDA_CHECK(cudaPointerGetAttributes(&attr, memory));
@@ -81,5 +85,6 @@ Context::~Context() {
 
 size_t Context::bytes() const { return impl_->bytes; }
 bool Context::saved() const { return impl_->state == Impl::State::kSaved; }
+bool Context::has_activations() const { return impl_->state == Impl::State::kSaved && impl_->complete; }
 
 }  // namespace mok

@@ -42,7 +42,8 @@ void check_communicator(const LayerShape& shape, ncclComm* comm, int device) {
 void finish_impl(Workspace::Impl& impl, int64_t resident) {
   impl.forward = std::make_unique<megakernel::ForwardBuffers>(impl.shape, impl.config,
                                                               impl.state->view().buffer_rows, resident);
-  impl.backward = std::make_unique<megakernel::BackwardBuffers>(impl.shape, impl.state->view().buffer_rows);
+  impl.backward = std::make_unique<megakernel::BackwardBuffers>(impl.shape, impl.state->view().buffer_rows,
+                                                                impl.state->row_buffer_is_ring());
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -30,9 +30,9 @@ struct Context::Impl {
   bool owned = false;             // mok allocated `base` (stream-ordered) and frees it
   cudaStream_t stream = nullptr;  // the stream of the last use
   State state = State::kEmpty;
-  // false when the forward ran the macrobatch ring (its g, u are not all in the block; the
-  // backward's recompute of the rest is not built yet)
-  bool complete = true;
+  // The block holds the activations of its forward (false: routing table only; the backward
+  // recomputes them: a routing-only block, ForwardArgs::save_activations false, the macrobatch ring)
+  bool complete = false;
   megakernel::SavedContext saved;
 };
 

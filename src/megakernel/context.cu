@@ -12,8 +12,9 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 }  // namespace
 
-ContextLayout ContextLayout::make(const LayerShape& s, const Config& config) {
+ContextLayout ContextLayout::make(const LayerShape& s, const Config& config, bool activations) {
   ContextLayout l;
+  l.activations = activations;
   l.buffer_rows = config.buffer_rows_per_rank(s);
   l.minibatch = config.effective_minibatch(s);
   l.max_minibatches = (l.buffer_rows + l.minibatch - 1) / l.minibatch;
@@ -38,10 +39,11 @@ ContextLayout ContextLayout::make(const LayerShape& s, const Config& config) {
   l.seg_offsets = take((E + 1) * sizeof(int32_t));
   l.seg_rows = take(E * sizeof(int32_t));
   l.schedule_bytes = at;
-  l.g = take(l.buffer_rows * s.intermediate * sizeof(bf16));
-  l.u = take(l.buffer_rows * s.intermediate * sizeof(bf16));
-  l.shared_g = take(l.shared_rows * s.shared_intermediate * sizeof(bf16));
-  l.shared_u = take(l.shared_rows * s.shared_intermediate * sizeof(bf16));
+  const int64_t keep = activations ? 1 : 0;
+  l.g = take(keep * l.buffer_rows * s.intermediate * sizeof(bf16));
+  l.u = take(keep * l.buffer_rows * s.intermediate * sizeof(bf16));
+  l.shared_g = take(keep * l.shared_rows * s.shared_intermediate * sizeof(bf16));
+  l.shared_u = take(keep * l.shared_rows * s.shared_intermediate * sizeof(bf16));
   l.total = at;
   return l;
 }
@@ -67,6 +69,7 @@ SavedContext SavedContext::at(char* base, const ContextLayout& l, const LayerSha
   v.max_minibatches = l.max_minibatches;
   c.seg_offsets = reinterpret_cast<const int32_t*>(base + l.seg_offsets);
   c.seg_rows = reinterpret_cast<const int32_t*>(base + l.seg_rows);
+  if (!l.activations) return c;
   c.g = reinterpret_cast<bf16*>(base + l.g);
   c.u = reinterpret_cast<bf16*>(base + l.u);
   if (s.has_shared()) {

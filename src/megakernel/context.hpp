@@ -31,7 +31,8 @@ struct ContextLayout {
   size_t schedule_bytes = 0;  // the routing table's share (everything before g)
   size_t total = 0;
   int64_t buffer_rows = 0, shared_rows = 0, max_minibatches = 0, minibatch = 0;
-  static ContextLayout make(const LayerShape& shape, const Config& config);
+  bool activations = true;  // g, u, shared g, u have room (false: the routing table only)
+  static ContextLayout make(const LayerShape& shape, const Config& config, bool activations = true);
 };
 
 // Device pointers into one context block.
@@ -39,7 +40,7 @@ struct SavedContext {
   comm::ScheduleView schedule;  // the forward's routing table (the copy in this block)
   const int32_t* seg_offsets = nullptr;  // [E_local + 1] the GEMM engine's segments
   const int32_t* seg_rows = nullptr;     // [E_local]
-  bf16* g = nullptr;  // [buffer_rows, I]
+  bf16* g = nullptr;  // [buffer_rows, I]; nullptr: not kept (the backward recomputes g, u)
   bf16* u = nullptr;
   bf16* shared_g = nullptr;  // [shared_rows, I_shared] (nullptr without a shared expert)
   bf16* shared_u = nullptr;

@@ -110,6 +110,11 @@ __global__ void fill_ones(float* v, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) v[i] = 1.0f;
 }
 
+// Where the backward's x rows are: the forward's row buffer, or (macrobatch ring) rows of its own.
+bf16* x_rows_of(comm::CommState& state, BackwardBuffers& bwd) {
+  return bwd.x_rows.size() > 0 ? bwd.x_rows.get() : state.row_buffer();
+}
+
 gemm::WgradOut wgrad_out(GradMode mode) {
   return mode == GradMode::kWriteBf16 ? gemm::WgradOut::kWriteBf16 : gemm::WgradOut::kAccumulateFp32;
 }
@@ -127,12 +132,47 @@ void check_grads(const LayerShape& s, const WeightGrads& g) {
   }
 }
 
+// GEMM 1 + SwiGLU of the forward (shared, then routed) on the x rows into out's g, u; h goes to
+// the hs scratch (rebuilt later). The shared expert reads fwd.shared_x (x, padding rows zero).
+void run_gemm1(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& out,
+               const bf16* x_rows, const ExpertWeights& w, const StagedBackwardOptions& o, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  gemm::Launch launch;
+  launch.grid = o.gemm_grid;
+  launch.error_flag = fwd.gemm_error.get();
+  launch.timeout_s = o.timeout_s;
+  if (s.has_shared()) {
+    const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
+    gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, fwd.shared_x.get(), w.shared_gate, w.shared_up,
+                        bwd.shared_hs.get(), out.shared_g, out.shared_u},
+                       launch, stream);
+  }
+  const gemm::Segments seg{out.seg_offsets, out.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
+  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, x_rows, w.gate, w.up, bwd.hs.get(), out.g, out.u}, launch, stream);
+}
+
 }  // namespace
 
-BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows)
+void recompute_activations(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                           const bf16* x, const ExpertWeights& w, const SavedContext& out,
+                           const StagedBackwardOptions& o, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const comm::ScheduleView& v = saved.schedule;
+  state.stage_x(x, stream);
+  if (s.has_shared()) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(fwd.shared_x.get(), x, s.tokens * s.hidden * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                                   stream));
+  }
+  bf16* const x_rows = x_rows_of(state, bwd);
+  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, state.layout().x, x_rows), stream);
+  run_gemm1(state, fwd, bwd, out, x_rows, w, o, stream);
+}
+
+BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows, bool x_rows_too)
     : buffer_rows(rows),
       shared_rows(round_up(s.tokens, kRowTile)),
       col_tiles(gemm::dgrad_hidden_col_tiles(s.intermediate)),
+      x_rows(x_rows_too ? rows * s.hidden : 0),
       dy_rows(rows * s.hidden),
       dx_rows(rows * s.hidden),
       dg(rows * s.intermediate),
@@ -145,16 +185,20 @@ BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows)
       shared_du(shared_rows * s.shared_intermediate),
       shared_hs(shared_rows * s.shared_intermediate),
       shared_dx(s.has_shared() ? shared_rows * s.hidden : 0),
-      ones(s.tokens * s.topk) {
+      ones(s.tokens * s.topk),
+      g(rows * s.intermediate),
+      u(rows * s.intermediate),
+      shared_g(shared_rows * s.shared_intermediate),
+      shared_u(shared_rows * s.shared_intermediate) {
   if (s.has_shared()) MOK_CUDA_CHECK(cudaMemset(shared_dy.get(), 0, shared_dy.bytes()));  // padding rows stay 0
   fill_ones<<<blocks_for(ones.size(), 256, 1024), 256>>>(ones.get(), static_cast<int64_t>(ones.size()));
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 size_t BackwardBuffers::bytes() const {
-  return dy_rows.bytes() + dx_rows.bytes() + dg.bytes() + du.bytes() + hs.bytes() + row_w.bytes() + dw_part.bytes() +
-         shared_dy.bytes() + shared_dg.bytes() + shared_du.bytes() + shared_hs.bytes() + shared_dx.bytes() +
-         ones.bytes();
+  return x_rows.bytes() + dy_rows.bytes() + dx_rows.bytes() + dg.bytes() + du.bytes() + hs.bytes() + row_w.bytes() +
+         dw_part.bytes() + shared_dy.bytes() + shared_dg.bytes() + shared_du.bytes() + shared_hs.bytes() +
+         shared_dx.bytes() + ones.bytes() + g.bytes() + u.bytes() + shared_g.bytes() + shared_u.bytes();
 }
 
 void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
@@ -214,8 +258,9 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   wa.seg = seg;
   wa.mode = mode;
   wa.problems[0] = {bwd.dy_rows.get(), bwd.hs.get(), H, I, nullptr, grads.down};
-  wa.problems[1] = {bwd.dg.get(), state.row_buffer(), I, H, nullptr, grads.gate};
-  wa.problems[2] = {bwd.du.get(), state.row_buffer(), I, H, nullptr, grads.up};
+  bf16* const x_rows = x_rows_of(state, bwd);
+  wa.problems[1] = {bwd.dg.get(), x_rows, I, H, nullptr, grads.gate};
+  wa.problems[2] = {bwd.du.get(), x_rows, I, H, nullptr, grads.up};
   wa.num_problems = 3;
   gemm::wgrad(wa, launch, stream);
 }
@@ -242,16 +287,27 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
   }
 
   // Pull x rows (for the gate/up weight gradients) and dy rows over the forward's routing table.
-  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, state.row_buffer()), stream);
+  bf16* const x_rows = x_rows_of(state, bwd);
+  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows), stream);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);
   gather_row_weights<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, R, state.peers(), layout.topk_w,
                                                                    static_cast<int>(K), bwd.row_w.get());
   MOK_CUDA_CHECK(cudaGetLastError());
-  zero_padding_rows<<<1024, 256, 0, stream>>>(v.header, v.rows, reinterpret_cast<uint4*>(state.row_buffer()),
+  zero_padding_rows<<<1024, 256, 0, stream>>>(v.header, v.rows, reinterpret_cast<uint4*>(x_rows),
                                               reinterpret_cast<uint4*>(bwd.dy_rows.get()), H * 2 / 16);
   MOK_CUDA_CHECK(cudaGetLastError());
 
-  backward_gemms(state, fwd, bwd, saved, w, grads, o, /*with_hs=*/true, stream);
+  // A routing-only context: g, u (shared g, u) again from the x rows, GEMM 1 of the forward.
+  SavedContext used = saved;
+  if (saved.g == nullptr) {
+    used.g = bwd.g.get();
+    used.u = bwd.u.get();
+    used.shared_g = s.has_shared() ? bwd.shared_g.get() : nullptr;
+    used.shared_u = s.has_shared() ? bwd.shared_u.get() : nullptr;
+    run_gemm1(state, fwd, bwd, used, x_rows, w, o, stream);
+  }
+
+  backward_gemms(state, fwd, bwd, used, w, grads, o, /*with_hs=*/true, stream);
 
   // d topk_w to the owners, dx rows to the owners' slots (the combine's barrier covers both).
   push_dtopk<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, bwd.dw_part.get(),

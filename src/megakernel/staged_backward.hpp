@@ -21,8 +21,11 @@ namespace mok::megakernel {
 
 // The backward's scratch, sized once per workspace (every layer's backward reuses it).
 struct BackwardBuffers {
-  BackwardBuffers(const LayerShape& shape, int64_t buffer_rows);
+  // x_rows_too: the row buffer of the forward is the macrobatch ring, so the backward pulls x
+  // into rows of its own (x_rows).
+  BackwardBuffers(const LayerShape& shape, int64_t buffer_rows, bool x_rows_too);
   int64_t buffer_rows = 0, shared_rows = 0, col_tiles = 0;
+  comm::DeviceBuffer<bf16> x_rows;       // [buffer_rows, H] with x_rows_too, else empty (the row buffer)
   comm::DeviceBuffer<bf16> dy_rows;      // [buffer_rows, H] pulled dy rows (unscaled)
   comm::DeviceBuffer<bf16> dx_rows;      // [buffer_rows, H] dx of each routed row
   comm::DeviceBuffer<bf16> dg, du, hs;   // [buffer_rows, I]
@@ -32,6 +35,11 @@ struct BackwardBuffers {
   comm::DeviceBuffer<bf16> shared_dg, shared_du, shared_hs;  // [shared_rows, I_shared]
   comm::DeviceBuffer<bf16> shared_dx;    // [shared_rows, H]
   comm::DeviceBuffer<float> ones;        // [T, K] 1.0f: the dx sum's weights
+  // A context without the activations (routing only: ForwardArgs::save_activations false, the
+  // macrobatch ring, Context::Keep::kRoutingOnly): the backward recomputes g, u here (GEMM 1 of
+  // the forward on the pulled x rows, the same bits), h going to hs (rebuilt after).
+  comm::DeviceBuffer<bf16> g, u;         // [buffer_rows, I]
+  comm::DeviceBuffer<bf16> shared_g, shared_u;  // [shared_rows, I_shared]
   size_t bytes() const;
 };
 
@@ -42,6 +50,7 @@ struct StagedBackwardOptions {
 };
 
 // One backward pass on `stream` over `saved` (a context a forward on this workspace filled).
+// saved.g == nullptr: the context keeps only the routing table; g, u are recomputed first.
 // Writes dx, dtopk_w and the weight gradients (grads.mode); dx and dtopk_w are NaN when the
 // saved schedule was poisoned, a router weight was not finite or a wait timed out.
 void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
@@ -54,5 +63,12 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
 void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const ExpertWeights& weights, const WeightGrads& grads, const StagedBackwardOptions& options,
                     bool with_hs, cudaStream_t stream);
+
+// Stream-ordered: the x rows over `saved`'s routing table, then GEMM 1 (shared and routed) into
+// `out` (its g, u, shared g, u; h into the backward's hs scratch): the forward's saved
+// activations, the same bits (recompute_forward_context, and the backward of a routing-only context).
+void recompute_activations(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                           const bf16* x, const ExpertWeights& weights, const SavedContext& out,
+                           const StagedBackwardOptions& options, cudaStream_t stream);
 
 }  // namespace mok::megakernel

@@ -14,6 +14,7 @@
 
 #include "test_comm_harness.cuh"
 #include "test_problem.cuh"
+#include "megakernel/fused_forward.hpp"
 #include "reference/layer.hpp"
 
 namespace mok::test {
@@ -182,6 +183,9 @@ struct RunOptions {
   // A second layer (other inputs and routing, same shape): its schedule and forward run between
   // this layer's forward and backward, and its backward first.
   const Problem* second = nullptr;
+  Context::Keep keep = Context::Keep::kActivations;  // of this layer's context
+  bool save_activations = true;                      // ForwardArgs::save_activations
+  bool recompute_call = false;                       // recompute_forward_context before the backward
   std::function<void(Workspace&)> configure;  // workspace knobs (fused options)
 };
 
@@ -200,7 +204,7 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
     if (ro.configure) ro.configure(*ws);
     GradBuffers gb(s, ro.mode, r.rank);
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    auto ctx_a = Context::create(*ws, st);
+    auto ctx_a = Context::create(*ws, st, ro.keep);
     auto ctx_b = Context::create(*ws, st);
     std::optional<RankData> d2;
     if (ro.second != nullptr) d2.emplace(upload_rank(*ro.second, r.rank));
@@ -209,7 +213,7 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
       MOK_CUDA_CHECK(cudaMemsetAsync(dx.get(), 0xFF, dx.bytes(), st));
       MOK_CUDA_CHECK(cudaMemsetAsync(dtopk.get(), 0xFF, dtopk.bytes(), st));
       schedule(*ws, d.idx.get(), st);
-      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx_a.get()}, ew, st);
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx_a.get(), ro.save_activations}, ew, st);
       if (d2) {
         const ExpertWeights ew2{d2->gate.get(), d2->up.get(), d2->down.get(), d2->sgate.get(), d2->sup.get(), d2->sdown.get()};
         schedule(*ws, d2->idx.get(), st);
@@ -220,6 +224,12 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
         backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()}, ew2,
                  gb_b.grads(), st);
         ws->check();
+      }
+      if (ro.recompute_call) {
+        ws->check();
+        EXPECT_FALSE(ctx_a->has_activations());
+        recompute_forward_context(*ws, ForwardArgs{d.x.get(), d.w.get(), nullptr, ctx_a.get()}, ew, st);
+        EXPECT_TRUE(ctx_a->has_activations());
       }
       backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx_a.get()}, ew, gb.grads(),
                st);
@@ -388,6 +398,55 @@ TEST(BackwardContext, TwoLayersInterleavedGiveTheSameBits) {
   }
 }
 
+// Saved or recomputed: a context that keeps only the routing table (Keep::kRoutingOnly, or
+// ForwardArgs::save_activations false, or the macrobatch ring), with or without
+// recompute_forward_context, gives the bits of one that keeps everything.
+TEST(BackwardRecompute, RoutingOnlyContextsGiveTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    const BwdCase& c = bwd_cases()[0];  // T 200, shared expert
+    const LayerShape s = with_ep(c.shape, ep);
+    const Problem p = make_problem(s, c.pattern, 301);
+    const auto dy = make_dy(s, 302);
+    const auto kept = run_backward(p, dy, bwd_config(s), {});
+    RunOptions routing_only;
+    routing_only.keep = Context::Keep::kRoutingOnly;
+    RunOptions not_saved;
+    not_saved.save_activations = false;
+    RunOptions refilled = not_saved;
+    refilled.recompute_call = true;
+    int which = 0;
+    for (const RunOptions* ro : {&routing_only, &not_saved, &refilled}) {
+      const auto got = run_backward(p, dy, bwd_config(s), *ro);
+      for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(got[0][r], kept[0][r])) << "ep " << ep << " variant " << which;
+      ++which;
+    }
+  }
+}
+
+TEST(BackwardRecompute, MacrobatchRingGivesTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  if (megakernel::forward_path_from_env() == megakernel::ForwardPath::kStaged) {
+    GTEST_SKIP() << "MOK_FORWARD_PATH=staged: workspaces keep every routed row (the ring is the fused forward's)";
+  }
+  for (int ep : {1, 2}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    const BwdCase& c = bwd_cases()[2];  // top-8, E 16, shared expert
+    const LayerShape s = with_ep(c.shape, ep);
+    const Problem p = make_problem(s, c.pattern, 303);
+    const auto dy = make_dy(s, 304);
+    Config base = bwd_config(s);
+    base.minibatch = 128;
+    const auto kept = run_backward(p, dy, base, {});
+    Config ring = base;
+    ring.macrobatch = 256;  // two minibatches: below the routed buffer, so a ring
+    ASSERT_LT(ring.resident_routed_rows(s), ring.buffer_rows_per_rank(s));
+    const auto got = run_backward(p, dy, ring, {});
+    for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(got[0][r], kept[0][r])) << "ep " << ep << " rank " << r;
+  }
+}
+
 // The context contract: a backward needs a filled, unconsumed context of its own workspace.
 TEST(BackwardContext, MisusedContextsGetClearErrors) {
   MOK_REQUIRE_RANKS(1);
@@ -426,6 +485,17 @@ TEST(BackwardContext, MisusedContextsGetClearErrors) {
     ws->check();
     EXPECT_FALSE(ctx->saved());
     expect_invalid(ctx.get(), "already consumed");
+    // recompute_forward_context needs room for the activations
+    auto routing = Context::create(*ws, st, Context::Keep::kRoutingOnly);
+    EXPECT_LT(routing->bytes(), ctx->bytes());
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), routing.get()}, ew, st);
+    EXPECT_FALSE(routing->has_activations());
+    EXPECT_THROW(recompute_forward_context(*ws, ForwardArgs{d.x.get(), d.w.get(), nullptr, routing.get()}, ew, st),
+                 Error);
+    backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), routing.get()}, ew, gb.grads(),
+             st);
+    ws->check();
     // caller memory: too small and misaligned are refused, enough is taken
     comm::DeviceBuffer<char> mem(Context::bytes(s, bwd_config(s)) + 256);
     EXPECT_THROW(Context::create(*ws, mem.get(), Context::bytes(s, bwd_config(s)) - 1), Error);
