@@ -263,8 +263,11 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     for (auto* b : {&fb.g, &fb.u}) {  // the ring's
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), rank_stream()));  // unwritten context cannot pass
     }
-    // the saved context (g, u, shared g, u), poisoned: an unwritten one cannot pass
+    // the saved context (g, u, shared g, u) and the recompute scratch, poisoned: an unwritten one cannot pass
     MOK_CUDA_CHECK(cudaMemsetAsync(ctx.base + ctx.layout.g, 0xFF, ctx.layout.total - ctx.layout.g, rank_stream()));
+    for (auto* b : {&ws->impl().backward->shared_g, &ws->impl().backward->shared_u}) {
+      if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), rank_stream()));
+    }
     MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), rank_stream()));
     const bool all_slots = fb.ring();  // every row pushed into its slot
     const size_t slot_elems = size_t(s.tokens) * s.topk * s.hidden;
@@ -291,8 +294,12 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     for (int64_t t = 0; t < h.padded_rows / kRowTile; ++t) o.resident.push_back(megakernel::resident_tile(fb, t, h.padded_rows));
     o.g = get(fb.ring() ? fb.g.get() : ctx.saved.g, rows * s.intermediate);
     o.u = get(fb.ring() ? fb.u.get() : ctx.saved.u, rows * s.intermediate);
-    o.shared_g = get(ctx.saved.shared_g, size_t(s.tokens) * s.shared_intermediate);
-    o.shared_u = get(ctx.saved.shared_u, size_t(s.tokens) * s.shared_intermediate);
+    // with the ring the context keeps only the routing table: the shared g, u went to the
+    // backward's recompute scratch (poisoned below too)
+    const bf16* sg = fb.ring() ? ws->impl().backward->shared_g.get() : ctx.saved.shared_g;
+    const bf16* su = fb.ring() ? ws->impl().backward->shared_u.get() : ctx.saved.shared_u;
+    o.shared_g = get(sg, size_t(s.tokens) * s.shared_intermediate);
+    o.shared_u = get(su, size_t(s.tokens) * s.shared_intermediate);
     if (all_slots) o.slots = get(ws->impl().state->slots(), slot_elems);
   });
   return out;
