@@ -33,4 +33,26 @@ TEST(CApi, NullArgumentsAreInvalidNotCrashes) {
   EXPECT_NE(std::string(mok_last_error()).find("out"), std::string::npos);
 }
 
+// Context sizes need no GPU: the routing table alone, or with room for g, u (numbers from the
+// layout: 2 x buffer_rows x I bf16 beside a routing table of a few hundred kB here).
+TEST(CApi, ContextBytes) {
+  mok_layer_shape_t shape{512, 1024, 512, 256, 16, 4, 2};
+  mok_config_t cfg;
+  mok_config_default(&cfg);
+  uint64_t full = 0, routing = 0;
+  ASSERT_EQ(mok_context_bytes(&shape, &cfg, 0, &full), MOK_OK) << mok_last_error();
+  ASSERT_EQ(mok_context_bytes(&shape, &cfg, 1, &routing), MOK_OK) << mok_last_error();
+  EXPECT_GT(routing, 0u);
+  // buffer rows = round_up(ceil(2 * T * K) + E_local * 127, 128) = round_up(4096 + 1016, 128) = 5120
+  const uint64_t gu = 2ull * 5120 * 512 * 2, shared = 2ull * 512 * 256 * 2;
+  EXPECT_EQ(full - routing, gu + shared);
+  EXPECT_EQ(mok_context_bytes(&shape, &cfg, 2, &full), MOK_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mok_last_error()).find("routing_only"), std::string::npos) << mok_last_error();
+  shape.topk = 0;
+  EXPECT_EQ(mok_context_bytes(&shape, &cfg, 0, &full), MOK_INVALID_ARGUMENT);
+  EXPECT_EQ(mok_context_bytes(&shape, &cfg, 0, nullptr), MOK_INVALID_ARGUMENT);
+  EXPECT_EQ(mok_context_create(nullptr, nullptr, 0, nullptr), MOK_INVALID_ARGUMENT);
+  EXPECT_EQ(mok_context_destroy(nullptr), MOK_OK);  // like free(NULL)
+}
+
 }  // namespace
