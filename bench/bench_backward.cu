@@ -4,7 +4,9 @@
 //                        as separate launches over the layer's saved context; bwd_path says which)
 //   bwd_staged_ms        the staged backward (the fused backward's oracle)
 //   bwd_gemms_alone_ms   only the backward's grouped GEMMs (shared + routed dh + SwiGLU backward,
-//                        dx, K-grouped weight gradients) on the rows already pulled, every SM
+//                        dx, K-grouped weight gradients) on the rows already pulled, every SM;
+//                        bwd_gemm_<kind>_ms each kind alone (wgrad_bf16: the routed weight
+//                        gradients written bf16 instead of added into fp32)
 //   bwd_unfused_ms       what a careful user builds without fusion: permute + NCCL all-to-all of the
 //                        dy rows, mok's standalone GEMM kinds (the same as above, with the hs
 //                        rebuild), permute + all-to-all of the dx rows back, mok's fixed-order sum.
@@ -134,7 +136,20 @@ struct Unfused : bench::UnfusedMaps {
   }
 };
 
+// The backward's GEMMs one kind at a time (bwd_gemm_<name>_ms), the weight gradients in both modes.
+struct Part {
+  const char* name;
+  unsigned mask;
+  bool bf16;  // weight gradients written bf16 (else as --grad-mode)
+};
+const Part kParts[] = {{"shared_dh", megakernel::kSharedDh, false},       {"shared_dx", megakernel::kSharedDx, false},
+                       {"shared_wgrad", megakernel::kSharedWgrad, false}, {"dh", megakernel::kRoutedDh, false},
+                       {"dx", megakernel::kRoutedDx, false},              {"wgrad", megakernel::kRoutedWgrad, false},
+                       {"wgrad_bf16", megakernel::kRoutedWgrad, true}};
+constexpr int kNumParts = sizeof(kParts) / sizeof(kParts[0]);
+
 struct RankResult {
+  double part_ms[kNumParts] = {};
   double staged_ms = 0, gemms_ms = 0, unfused_ms = 0, step_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t unfused_vs_staged = -1;
   uint64_t dx_hash = 0;
@@ -185,6 +200,17 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
     megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads, megakernel::StagedBackwardOptions{},
                                false, st);
   });
+  ws->check();
+  const WeightGrads grads_bf16{GradMode::kWriteBf16, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
+  for (int p = 0; p < kNumParts; ++p) {
+    if ((kParts[p].mask & (megakernel::kSharedDh | megakernel::kSharedDx | megakernel::kSharedWgrad)) && !s.has_shared()) {
+      continue;
+    }
+    res.part_ms[p] = time_ms(o, sync, st, [&] {
+      megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, kParts[p].bf16 ? grads_bf16 : grads,
+                                 megakernel::StagedBackwardOptions{}, false, st, kParts[p].mask);
+    });
+  }
   ws->check();
   res.step_ms = time_ms(o, sync, st, [&] {
     schedule(*ws, L.topk_idx.get(), st);
@@ -280,6 +306,14 @@ int main(int argc, char** argv) {
     const double tf = flops / bwd / 1e9;
     std::printf("%-7s %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6s\n", o.shapes[i].c_str(), bwd, tf,
                 tf / cublas_tf, gemms, bwd / gemms, unfused, unfused / bwd, step, us ? "yes" : "NO");
+    std::ostringstream parts;
+    std::printf("%-7s GEMMs one at a time (ms):", o.shapes[i].c_str());
+    for (int p = 0; p < kNumParts; ++p) {
+      const double ms = worst([&](const RankResult& r) { return r.part_ms[p]; });
+      std::printf(" %s %.3f", kParts[p].name, ms);
+      parts << ", \"bwd_gemm_" << kParts[p].name << "_ms\": " << fmt(ms);
+    }
+    std::printf("\n");
     char hash[32];
     std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(res[i][0].dx_hash));
     std::printf("%-7s dx_hash %s  context %.1f MB  workspace %.1f MB  cuBLAS dense %.1f TFLOP/s\n", o.shapes[i].c_str(),
@@ -294,7 +328,7 @@ int main(int argc, char** argv) {
             << ", \"bwd_over_gemms_alone\": " << fmt(bwd / gemms) << ", \"unfused_over_bwd\": " << fmt(unfused / bwd)
             << ", \"unfused_dx_equals_staged\": " << (us ? "true" : "false") << ", \"context_bytes\": "
             << res[i][0].context_bytes << ", \"workspace_bytes\": " << res[i][0].workspace_bytes << ", \"dx_hash\": \""
-            << hash << "\"}},\n  {\"bench\": \"step\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
+            << hash << "\"" << parts.str() << "}},\n  {\"bench\": \"step\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
             << ", \"tokens_per_rank\": " << s.tokens << ", \"metrics\": {\"step_ms\": " << fmt(step) << "}}";
   }
   if (ep < 2) std::printf("NOTE: EP=1 (one GPU): no NVLink traffic\n");

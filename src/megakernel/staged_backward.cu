@@ -203,7 +203,7 @@ size_t BackwardBuffers::bytes() const {
 
 void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const ExpertWeights& w, const WeightGrads& grads, const StagedBackwardOptions& o, bool with_hs,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, unsigned parts) {
   const LayerShape& s = state.shape();
   check_grads(s, grads);
   const comm::ScheduleView& v = saved.schedule;
@@ -218,12 +218,16 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   // Shared expert: dy unscaled, its weight gradients over this rank's tokens.
   if (s.has_shared()) {
     const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
-    gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
-                               bwd.shared_dg.get(), bwd.shared_du.get()},
-                              launch, stream);
-    gemm::dgrad_input({seg, H, S, bwd.shared_dg.get(), bwd.shared_du.get(), w.shared_gate, w.shared_up,
-                       bwd.shared_dx.get()},
-                      launch, stream);
+    if (parts & kSharedDh) {
+      gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
+                                 bwd.shared_dg.get(), bwd.shared_du.get()},
+                                launch, stream);
+    }
+    if (parts & kSharedDx) {
+      gemm::dgrad_input({seg, H, S, bwd.shared_dg.get(), bwd.shared_du.get(), w.shared_gate, w.shared_up,
+                         bwd.shared_dx.get()},
+                        launch, stream);
+    }
     if (with_hs) {
       rebuild_hs<<<blocks_for(fwd.shared_rows * S / 2, 256, 4096), 256, 0, stream>>>(
           nullptr, nullptr, T, nullptr, reinterpret_cast<const uint32_t*>(saved.shared_g),
@@ -238,7 +242,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
     wa.problems[1] = {bwd.shared_dg.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
     wa.problems[2] = {bwd.shared_du.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
     wa.num_problems = 3;
-    gemm::wgrad(wa, launch, stream);
+    if (parts & kSharedWgrad) gemm::wgrad(wa, launch, stream);
   }
 
   // Routed experts.
@@ -246,8 +250,10 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, bwd.dg.get(), bwd.du.get()};
   dh.row_w = bwd.row_w.get();
   dh.dw_part = bwd.dw_part.get();
-  gemm::dgrad_hidden_swiglu(dh, launch, stream);
-  gemm::dgrad_input({seg, H, I, bwd.dg.get(), bwd.du.get(), w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
+  if (parts & kRoutedDh) gemm::dgrad_hidden_swiglu(dh, launch, stream);
+  if (parts & kRoutedDx) {
+    gemm::dgrad_input({seg, H, I, bwd.dg.get(), bwd.du.get(), w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
+  }
   if (with_hs) {
     rebuild_hs<<<blocks_for(R * I / 2, 256, 8192), 256, 0, stream>>>(
         v.header, v.rows, 0, bwd.row_w.get(), reinterpret_cast<const uint32_t*>(saved.g),
@@ -262,7 +268,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   wa.problems[1] = {bwd.dg.get(), x_rows, I, H, nullptr, grads.gate};
   wa.problems[2] = {bwd.du.get(), x_rows, I, H, nullptr, grads.up};
   wa.num_problems = 3;
-  gemm::wgrad(wa, launch, stream);
+  if (parts & kRoutedWgrad) gemm::wgrad(wa, launch, stream);
 }
 
 void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,

@@ -60,9 +60,14 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
 // Only the backward's GEMMs (shared then routed: dh + SwiGLU backward, dx, K-grouped weight
 // gradients) on the rows already pulled (row buffer, dy rows, row weights): the "GEMMs alone"
 // yardstick (with_hs false: without the elementwise hs rebuild) and the unfused baseline's GEMMs.
+// `parts` (a mask of BackwardGemm bits) picks a subset: the benchmark's per-kind breakdown.
+enum BackwardGemm : unsigned {
+  kSharedDh = 1u, kSharedDx = 2u, kSharedWgrad = 4u, kRoutedDh = 8u, kRoutedDx = 16u, kRoutedWgrad = 32u,
+  kAllBackwardGemms = 63u
+};
 void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const ExpertWeights& weights, const WeightGrads& grads, const StagedBackwardOptions& options,
-                    bool with_hs, cudaStream_t stream);
+                    bool with_hs, cudaStream_t stream, unsigned parts = kAllBackwardGemms);
 
 // Stream-ordered: the x rows over `saved`'s routing table, then GEMM 1 (shared and routed) into
 // `out` (its g, u, shared g, u; h into the backward's hs scratch): the forward's saved
