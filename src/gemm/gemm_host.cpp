@@ -57,24 +57,6 @@ CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols
   return map;
 }
 
-CUtensorMap map_f32(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows, const char* what) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 4};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    throw Error(Status::kCudaError, std::string("mok gemm: cuTensorMapEncodeTiled for ") + what + " [" +
-                                        std::to_string(rows) + ", " + std::to_string(cols) + "] fp32: CUresult " +
-                                        std::to_string(int(r)));
-  }
-  return map;
-}
-
 void check_multiple(const char* argument, int64_t value, int64_t multiple) {
   if (value <= 0 || value % multiple != 0) {
     throw_invalid(argument, "a positive multiple of " + std::to_string(multiple), std::to_string(value));

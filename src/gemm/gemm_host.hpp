@@ -19,10 +19,6 @@ namespace mok::gemm::host {
 CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
                      int box_rows, const char* what);
 
-// Row-major fp32 matrix [rows, cols] viewed by TMA with boxes of box_cols x box_rows elements,
-// no swizzle: the L2 prefetch of the fp32 main grads that wgrad's accumulating epilogue reads.
-CUtensorMap map_f32(const void* base, int64_t rows, int64_t cols, int box_cols, int box_rows, const char* what);
-
 // Throws unless `value` is a positive multiple of `multiple`.
 void check_multiple(const char* argument, int64_t value, int64_t multiple);
 void check_pointer(const char* argument, const void* ptr);  // non-null and 16-byte aligned

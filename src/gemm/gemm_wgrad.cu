@@ -54,11 +54,8 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
     WgradProblemParams& kp = p.problems[q];
     kp.a = host::map_bf16(pr.a, 0, R, pr.m, 64, 64, "wgrad a");
     kp.b = host::map_bf16(pr.b, 0, R, pr.n, 64, 64, "wgrad b");
-    // kWriteBf16: the bf16 output's store map; kAccumulateFp32: an fp32 view [E*M, N] of the main
-    // grads for the L2 prefetch of each tile's block; kPartialFp32: unused.
-    kp.out = a.mode == WgradOut::kWriteBf16        ? host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out")
-             : a.mode == WgradOut::kAccumulateFp32 ? host::map_f32(pr.out, E * pr.m, pr.n, 64, 128, "wgrad main grad")
-                                                   : kp.b;
+    kp.out = a.mode == WgradOut::kWriteBf16 ? host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out")
+                                            : kp.b;  // unused outside kWriteBf16
     kp.m = static_cast<int>(pr.m);
     kp.n = static_cast<int>(pr.n);
     kp.partial_in = pr.partial_in;

@@ -17,7 +17,7 @@ enum WgradMode : int { kWgradPartialFp32 = 0, kWgradWriteBf16 = 1, kWgradAccumul
 struct WgradProblemParams {
   CUtensorMap a;    // [rows, M], box 64 x 64
   CUtensorMap b;    // [rows, N], box 64 x 64
-  CUtensorMap out;  // bf16 [E, M, N], box 64 x 64 x 1 (kWriteBf16); fp32 [E*M, N], box 64 x 128 (kAccumulateFp32: L2 prefetch)
+  CUtensorMap out;  // bf16 [E, M, N], box 64 x 64 x 1 (kWriteBf16)
   int m, n;
   const float* partial_in;  // or nullptr: start from zeros
   void* out_ptr;
@@ -104,19 +104,6 @@ struct WgradKind {
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_2d(&pr.b, bar, b + box * 8192, 256 * t.n_tile + 64 * box, row, mask);
     });
-    // The accumulating epilogue reads the tile's 128 x 256 fp32 main-grad block: its L2 prefetch
-    // goes out with the first K step, so the epilogue's loads hit L2 instead of waiting on HBM
-    // chunk after chunk (the K loops are short: 256 rows per expert at dsv3 EP 1).
-    if constexpr (Mode == kWgradAccumulateFp32) {
-      if (k == 0) {
-        const int row0 = t.expert * pr.m + 128 * t.m_tile;
-#pragma unroll
-        for (int box = 0; box < 4; ++box) {
-          const int col = 256 * t.n_tile + 64 * box;
-          if (col < pr.n) cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&pr.out, col, row0);
-        }
-      }
-    }
   }
 
   // Element (m, n) of dW[e] held by fragment pair i of this thread, and whether it exists.
