@@ -76,6 +76,10 @@ struct BackwardArgs {
   bf16* dx = nullptr;            // [T, H]
   float* dtopk_w = nullptr;      // [T, K]
   Context* context = nullptr;    // the matching forward's context (nullptr: the workspace's own)
+  // true: dx and d topk_w now, the weight gradients later through backward_weight_grads (Megatron's
+  // delayed wgrad / backward_dw), the same bits. Needs a context created with
+  // Context::Keep::kDeferredWgrad (it keeps dg, du and hs until then).
+  bool defer_weight_grads = false;
 };
 
 // What the compiled engine implements; entry points that are not there throw kNotImplemented.
@@ -132,10 +136,13 @@ class Context {
  public:
   // What a context has room for: the routing table and the activations (g, u, shared g, u), or
   // the routing table alone (the backward recomputes the activations from x).
-  enum class Keep { kActivations = 0, kRoutingOnly = 1 };
+  // kDeferredWgrad: the activations and room for what a backward that defers its weight
+  // gradients leaves for them (hs beside dg, du, which take the place of g, u).
+  enum class Keep { kActivations = 0, kRoutingOnly = 1, kDeferredWgrad = 2 };
   // Device bytes of one context (docs/architecture.md "Buffers and sizes"): the routing table
   // (~16 B per buffer row + 4 B per global (t, k)) plus, with kActivations, g, u
-  // [buffer_rows, I] and shared g, u [T, I_shared] in bf16.
+  // [buffer_rows, I] and shared g, u [T, I_shared] in bf16; kDeferredWgrad adds hs [buffer_rows, I]
+  // and shared hs [T, I_shared].
   static size_t bytes(const LayerShape& shape, const Config& config, Keep keep = Keep::kActivations);
   // mok allocates the block on `stream` (stream-ordered, cudaMallocAsync) and frees it when the
   // context is destroyed (cudaFree: it waits for the device's work, so destroy contexts after
@@ -176,6 +183,11 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
 // expert's are this rank's partial sums (the caller all-reduces them like data-parallel ones).
 void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weights,
               const WeightGrads& grads, cudaStream_t stream);
+// The weight gradients of a backward called with defer_weight_grads (args.x, args.dy and
+// args.context as there; dx, dtopk_w and topk_w are not used): x and dy are pulled again over the
+// saved routing table and the weight gradients computed from the dg, du, hs the backward left in
+// the context, which this call consumes. Collective, like backward.
+void backward_weight_grads(Workspace& ws, const BackwardArgs& args, const WeightGrads& grads, cudaStream_t stream);
 // Refills the activations of a context whose forward kept only the routing table
 // (ForwardArgs::save_activations false, or the macrobatch ring) from x (args.x, args.context),
 // without producing y and without a new routing exchange: the x rows over the saved table, then

@@ -64,15 +64,15 @@ mok_status_t mok_workspace_check(mok_workspace_t ws);
 /* Device memory the workspace holds (mok::Workspace::device_bytes). */
 mok_status_t mok_workspace_bytes(mok_workspace_t ws, uint64_t* bytes);
 
-/* routing_only (mok::Context::Keep): 0 = room for the activations, 1 = the routing table only
- * (the backward recomputes the activations). */
+/* keep (mok::Context::Keep): 0 = room for the activations, 1 = the routing table only (the backward
+ * recomputes the activations), 2 = the activations and room for a deferred weight gradient. */
 /* Bytes of one context of this shape and config (mok::Context::bytes). */
-mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, int32_t routing_only,
+mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, int32_t keep,
                                uint64_t* bytes);
 /* mok allocates the context's memory on `stream` (stream-ordered) and frees it in destroy. */
-mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t routing_only, mok_context_t* out);
+mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t keep, mok_context_t* out);
 /* The caller's device memory: >= mok_context_bytes, 256-byte aligned; it must outlive the context. */
-mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t routing_only,
+mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t keep,
                                    mok_context_t* out);
 mok_status_t mok_context_destroy(mok_context_t ctx);
 
@@ -81,10 +81,14 @@ mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_strea
  * save_activations 0: keep only the routing table (activation checkpointing). */
 mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, void* y,
                          const mok_expert_weights_t* weights, int32_t save_activations, mok_stream_t stream);
-/* ctx: the matching forward's context (consumed); NULL: the workspace's own. */
+/* ctx: the matching forward's context (consumed); NULL: the workspace's own.
+ * defer_weight_grads 1: the weight gradients later, through mok_backward_weight_grads (ctx keep 2). */
 mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w,
                           const void* dy, void* dx, float* dtopk_w, const mok_expert_weights_t* weights,
-                          const mok_weight_grads_t* grads, mok_stream_t stream);
+                          const mok_weight_grads_t* grads, int32_t defer_weight_grads, mok_stream_t stream);
+/* The weight gradients a deferring mok_backward left out (x and dy as given to it). */
+mok_status_t mok_backward_weight_grads(mok_workspace_t ws, mok_context_t ctx, const void* x, const void* dy,
+                                       const mok_weight_grads_t* grads, mok_stream_t stream);
 /* Refills the activations of ctx (a forward with save_activations 0) from x. */
 mok_status_t mok_recompute_forward_context(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w,
                                            const mok_expert_weights_t* weights, mok_stream_t stream);

@@ -105,9 +105,22 @@ megakernel::SavedContext as_saved(const Context::Impl& ctx) {
 void require_saved(const Context::Impl& ctx, const char* argument) {
   if (ctx.state != Context::Impl::State::kSaved) {
     throw_invalid(argument, "the context of a forward that no backward consumed yet",
-                  ctx.state == Context::Impl::State::kEmpty ? "a context no forward filled"
-                                                            : "a context a backward already consumed");
+                  ctx.state == Context::Impl::State::kEmpty            ? "a context no forward filled"
+                  : ctx.state == Context::Impl::State::kAwaitingWgrad ? "a context whose backward awaits backward_weight_grads"
+                                                                       : "a context a backward already consumed");
   }
+}
+
+// Where a deferring backward leaves dg, du (in place of g, u) and hs in the context.
+megakernel::GradInputs deferred_inputs(const Context::Impl& ctx) {
+  megakernel::GradInputs g;
+  g.dg = ctx.saved.g;
+  g.du = ctx.saved.u;
+  g.hs = ctx.saved.hs;
+  g.shared_dg = ctx.saved.shared_g;
+  g.shared_du = ctx.saved.shared_u;
+  g.shared_hs = ctx.saved.shared_hs;
+  return g;
 }
 
 }  // namespace
@@ -121,9 +134,37 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   Workspace::Impl& impl = ws.impl();
   Context::Impl& ctx = context_of(impl, args.context, "BackwardArgs.context");
   require_saved(ctx, "BackwardArgs.context");
+  if (args.defer_weight_grads && !ctx.layout.deferred) {
+    throw_invalid("BackwardArgs.context", "a context created with Context::Keep::kDeferredWgrad (defer_weight_grads)",
+                  "a context without room for the deferred weight gradients' inputs");
+  }
   DeviceGuard guard(impl.device);
+  const megakernel::GradInputs defer = deferred_inputs(ctx);
   megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
-                              backward_options(impl), stream);
+                              backward_options(impl), stream, args.defer_weight_grads ? &defer : nullptr);
+  if (args.defer_weight_grads) {
+    ctx.state = Context::Impl::State::kAwaitingWgrad;
+    ctx.stream = stream;
+    impl.last_stream = stream;
+    return;
+  }
+  ctx.state = Context::Impl::State::kConsumed;
+  ctx.stream = stream;
+  impl.last_stream = stream;
+}
+
+void backward_weight_grads(Workspace& ws, const BackwardArgs& args, const WeightGrads& grads, cudaStream_t stream) {
+  if (args.x == nullptr) throw_invalid("BackwardArgs.x", "a device pointer to [T, H] bf16", "nullptr");
+  if (args.dy == nullptr) throw_invalid("BackwardArgs.dy", "a device pointer to [T, H] bf16", "nullptr");
+  Workspace::Impl& impl = ws.impl();
+  Context::Impl& ctx = context_of(impl, args.context, "BackwardArgs.context");
+  if (ctx.state != Context::Impl::State::kAwaitingWgrad) {
+    throw_invalid("BackwardArgs.context", "the context of a backward called with defer_weight_grads",
+                  "a context without deferred weight gradients");
+  }
+  DeviceGuard guard(impl.device);
+  megakernel::deferred_weight_grads(*impl.state, *impl.forward, *impl.backward, ctx.saved, args, grads,
+                                    deferred_inputs(ctx), backward_options(impl), stream);
   ctx.state = Context::Impl::State::kConsumed;
   ctx.stream = stream;
   impl.last_stream = stream;

@@ -75,9 +75,23 @@ cudaStream_t stream_of(mok_stream_t s) { return static_cast<cudaStream_t>(s); }
   mok::throw_invalid(argument, "0 or 1", std::to_string(value));
 }
 
-mok::Context::Keep keep_of(int32_t routing_only) {
-  if (routing_only != 0 && routing_only != 1) throw_invalid_flag("routing_only", routing_only);
-  return routing_only ? mok::Context::Keep::kRoutingOnly : mok::Context::Keep::kActivations;
+mok::Context::Keep keep_of(int32_t keep) {
+  if (keep < 0 || keep > 2) {
+    mok::throw_invalid("keep", "0 (activations), 1 (routing only) or 2 (deferred weight gradients)", std::to_string(keep));
+  }
+  return static_cast<mok::Context::Keep>(keep);
+}
+
+mok::WeightGrads to_grads(const mok_weight_grads_t* grads) {
+  mok::WeightGrads g;
+  g.mode = grads->accumulate_fp32 ? mok::GradMode::kAccumulateFp32 : mok::GradMode::kWriteBf16;
+  g.gate = grads->gate;
+  g.up = grads->up;
+  g.down = grads->down;
+  g.shared_gate = grads->shared_gate;
+  g.shared_up = grads->shared_up;
+  g.shared_down = grads->shared_down;
+  return g;
 }
 
 }  // namespace
@@ -134,28 +148,28 @@ mok_status_t mok_workspace_bytes(mok_workspace_t ws, uint64_t* bytes) {
   });
 }
 
-mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, int32_t routing_only,
+mok_status_t mok_context_bytes(const mok_layer_shape_t* shape, const mok_config_t* config, int32_t keep,
                                uint64_t* bytes) {
   return guarded([&] {
     require(bytes, "bytes");
-    *bytes = mok::Context::bytes(to_shape(shape), to_config(config), keep_of(routing_only));
+    *bytes = mok::Context::bytes(to_shape(shape), to_config(config), keep_of(keep));
   });
 }
 
-mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t routing_only, mok_context_t* out) {
+mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t keep, mok_context_t* out) {
   return guarded([&] {
     require(out, "out");
     *out = nullptr;
-    *out = new mok_context{mok::Context::create(deref(ws), stream_of(stream), keep_of(routing_only))};
+    *out = new mok_context{mok::Context::create(deref(ws), stream_of(stream), keep_of(keep))};
   });
 }
 
-mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t routing_only,
+mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t keep,
                                    mok_context_t* out) {
   return guarded([&] {
     require(out, "out");
     *out = nullptr;
-    *out = new mok_context{mok::Context::create(deref(ws), memory, static_cast<size_t>(bytes), keep_of(routing_only))};
+    *out = new mok_context{mok::Context::create(deref(ws), memory, static_cast<size_t>(bytes), keep_of(keep))};
   });
 }
 
@@ -175,20 +189,26 @@ mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, c
 
 mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, const void* dy,
                           void* dx, float* dtopk_w, const mok_expert_weights_t* weights,
-                          const mok_weight_grads_t* grads, mok_stream_t stream) {
+                          const mok_weight_grads_t* grads, int32_t defer_weight_grads, mok_stream_t stream) {
   return guarded([&] {
     require(grads, "grads");
+    if (defer_weight_grads != 0 && defer_weight_grads != 1) throw_invalid_flag("defer_weight_grads", defer_weight_grads);
     mok::BackwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<const mok::bf16*>(dy),
-                           static_cast<mok::bf16*>(dx), dtopk_w, ctx != nullptr ? ctx->ctx.get() : nullptr};
-    mok::WeightGrads g;
-    g.mode = grads->accumulate_fp32 ? mok::GradMode::kAccumulateFp32 : mok::GradMode::kWriteBf16;
-    g.gate = grads->gate;
-    g.up = grads->up;
-    g.down = grads->down;
-    g.shared_gate = grads->shared_gate;
-    g.shared_up = grads->shared_up;
-    g.shared_down = grads->shared_down;
-    mok::backward(deref(ws), args, to_weights(weights), g, stream_of(stream));
+                           static_cast<mok::bf16*>(dx), dtopk_w, ctx != nullptr ? ctx->ctx.get() : nullptr,
+                           defer_weight_grads == 1};
+    mok::backward(deref(ws), args, to_weights(weights), to_grads(grads), stream_of(stream));
+  });
+}
+
+mok_status_t mok_backward_weight_grads(mok_workspace_t ws, mok_context_t ctx, const void* x, const void* dy,
+                                       const mok_weight_grads_t* grads, mok_stream_t stream) {
+  return guarded([&] {
+    require(grads, "grads");
+    mok::BackwardArgs args;
+    args.x = static_cast<const mok::bf16*>(x);
+    args.dy = static_cast<const mok::bf16*>(dy);
+    args.context = ctx != nullptr ? ctx->ctx.get() : nullptr;
+    mok::backward_weight_grads(deref(ws), args, to_grads(grads), stream_of(stream));
   });
 }
 

@@ -10,14 +10,20 @@
 namespace mok {
 namespace {
 
+// ContextLayout's levels: 0 the routing table, 1 and the activations, 2 and room for a deferred wgrad.
+int keep_level(Context::Keep keep) {
+  return keep == Context::Keep::kRoutingOnly ? 0 : keep == Context::Keep::kDeferredWgrad ? 2 : 1;
+}
+
 std::unique_ptr<Context::Impl> new_context(Workspace& ws, Context::Keep keep) {
-  if (keep != Context::Keep::kActivations && keep != Context::Keep::kRoutingOnly) {
-    throw_invalid("keep", "Context::Keep::kActivations or Context::Keep::kRoutingOnly", std::to_string(int(keep)));
+  if (keep != Context::Keep::kActivations && keep != Context::Keep::kRoutingOnly &&
+      keep != Context::Keep::kDeferredWgrad) {
+    throw_invalid("keep", "Context::Keep::kActivations, kRoutingOnly or kDeferredWgrad", std::to_string(int(keep)));
   }
   auto impl = std::make_unique<Context::Impl>();
   impl->workspace_serial = ws.impl().serial;
   impl->device = ws.impl().device;
-  impl->layout = megakernel::ContextLayout::make(ws.shape(), ws.config(), keep == Context::Keep::kActivations);
+  impl->layout = megakernel::ContextLayout::make(ws.shape(), ws.config(), keep_level(keep));
   impl->bytes = impl->layout.total;
   return impl;
 }
@@ -26,7 +32,7 @@ std::unique_ptr<Context::Impl> new_context(Workspace& ws, Context::Keep keep) {
 
 size_t Context::bytes(const LayerShape& shape, const Config& config, Keep keep) {
   config.validate(shape);
-  return megakernel::ContextLayout::make(shape, config, keep == Keep::kActivations).total;
+  return megakernel::ContextLayout::make(shape, config, keep_level(keep)).total;
 }
 
 Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

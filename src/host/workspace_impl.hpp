@@ -21,7 +21,7 @@ namespace mok {
 
 // One layer's forward context (include/mok/api.hpp): its memory block and what is in it.
 struct Context::Impl {
-  enum class State { kEmpty, kSaved, kConsumed };
+  enum class State { kEmpty, kSaved, kAwaitingWgrad, kConsumed };
   uint64_t workspace_serial = 0;  // the Workspace::Impl::serial of its workspace
   int device = 0;
   megakernel::ContextLayout layout;

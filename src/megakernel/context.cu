@@ -12,9 +12,10 @@ int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 }  // namespace
 
-ContextLayout ContextLayout::make(const LayerShape& s, const Config& config, bool activations) {
+ContextLayout ContextLayout::make(const LayerShape& s, const Config& config, int keep_level) {
   ContextLayout l;
-  l.activations = activations;
+  l.activations = keep_level >= 1;
+  l.deferred = keep_level >= 2;
   l.buffer_rows = config.buffer_rows_per_rank(s);
   l.minibatch = config.effective_minibatch(s);
   l.max_minibatches = (l.buffer_rows + l.minibatch - 1) / l.minibatch;
@@ -39,11 +40,13 @@ ContextLayout ContextLayout::make(const LayerShape& s, const Config& config, boo
   l.seg_offsets = take((E + 1) * sizeof(int32_t));
   l.seg_rows = take(E * sizeof(int32_t));
   l.schedule_bytes = at;
-  const int64_t keep = activations ? 1 : 0;
+  const int64_t keep = l.activations ? 1 : 0, defer = l.deferred ? 1 : 0;
   l.g = take(keep * l.buffer_rows * s.intermediate * sizeof(bf16));
   l.u = take(keep * l.buffer_rows * s.intermediate * sizeof(bf16));
   l.shared_g = take(keep * l.shared_rows * s.shared_intermediate * sizeof(bf16));
   l.shared_u = take(keep * l.shared_rows * s.shared_intermediate * sizeof(bf16));
+  l.hs = take(defer * l.buffer_rows * s.intermediate * sizeof(bf16));
+  l.shared_hs = take(defer * l.shared_rows * s.shared_intermediate * sizeof(bf16));
   l.total = at;
   return l;
 }
@@ -75,6 +78,10 @@ SavedContext SavedContext::at(char* base, const ContextLayout& l, const LayerSha
   if (s.has_shared()) {
     c.shared_g = reinterpret_cast<bf16*>(base + l.shared_g);
     c.shared_u = reinterpret_cast<bf16*>(base + l.shared_u);
+  }
+  if (l.deferred) {
+    c.hs = reinterpret_cast<bf16*>(base + l.hs);
+    if (s.has_shared()) c.shared_hs = reinterpret_cast<bf16*>(base + l.shared_hs);
   }
   return c;
 }

@@ -27,12 +27,15 @@ struct ForwardBuffers;
 struct ContextLayout {
   size_t header = 0, expert_offset = 0, expert_rows = 0, rows = 0, dest_row = 0, mb_ranges = 0, remote_rows = 0,
          remote_count = 0, token_key = 0, token_order = 0, seg_offsets = 0, seg_rows = 0, g = 0, u = 0,
-         shared_g = 0, shared_u = 0;
+         shared_g = 0, shared_u = 0, hs = 0, shared_hs = 0;
   size_t schedule_bytes = 0;  // the routing table's share (everything before g)
   size_t total = 0;
   int64_t buffer_rows = 0, shared_rows = 0, max_minibatches = 0, minibatch = 0;
   bool activations = true;  // g, u, shared g, u have room (false: the routing table only)
-  static ContextLayout make(const LayerShape& shape, const Config& config, bool activations = true);
+  bool deferred = false;    // also hs, shared hs: a backward may defer its weight gradients
+  // keep: 0 the routing table only, 1 and the activations, 2 and room for a deferred weight gradient
+  // (mok::Context::Keep's values)
+  static ContextLayout make(const LayerShape& shape, const Config& config, int keep = 1);
 };
 
 // Device pointers into one context block.
@@ -44,6 +47,10 @@ struct SavedContext {
   bf16* u = nullptr;
   bf16* shared_g = nullptr;  // [shared_rows, I_shared] (nullptr without a shared expert)
   bf16* shared_u = nullptr;
+  // A deferring backward leaves its weight gradients' inputs here: dg, du in place of g, u, and
+  // hs [buffer_rows, I], shared hs [shared_rows, I_shared] (nullptr unless the layout has room).
+  bf16* hs = nullptr;
+  bf16* shared_hs = nullptr;
   static SavedContext at(char* base, const ContextLayout& layout, const LayerShape& shape);
 };
 

@@ -201,11 +201,23 @@ size_t BackwardBuffers::bytes() const {
          shared_dx.bytes() + ones.bytes() + g.bytes() + u.bytes() + shared_g.bytes() + shared_u.bytes();
 }
 
+GradInputs GradInputs::scratch(BackwardBuffers& bwd) {
+  GradInputs g;
+  g.dg = bwd.dg.get();
+  g.du = bwd.du.get();
+  g.hs = bwd.hs.get();
+  g.shared_dg = bwd.shared_dg.get();
+  g.shared_du = bwd.shared_du.get();
+  g.shared_hs = bwd.shared_hs.get();
+  return g;
+}
+
 void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const ExpertWeights& w, const WeightGrads& grads, const StagedBackwardOptions& o, bool with_hs,
-                    cudaStream_t stream, unsigned parts) {
+                    cudaStream_t stream, unsigned parts, const GradInputs* into) {
   const LayerShape& s = state.shape();
-  check_grads(s, grads);
+  if (parts & (kSharedWgrad | kRoutedWgrad)) check_grads(s, grads);
+  const GradInputs out = into != nullptr ? *into : GradInputs::scratch(bwd);
   const comm::ScheduleView& v = saved.schedule;
   const int64_t T = s.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;
   const int64_t R = bwd.buffer_rows;
@@ -215,93 +227,119 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   launch.timeout_s = o.timeout_s;
   const gemm::WgradOut mode = wgrad_out(grads.mode);
 
-  // Shared expert: dy unscaled, its weight gradients over this rank's tokens.
+  // Shared expert: dy unscaled, its weight gradients over this rank's tokens. hs first: dg, du
+  // may overwrite g, u (a deferring backward keeps them in the context in place of g, u).
   if (s.has_shared()) {
     const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
-    if (parts & kSharedDh) {
-      gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
-                                 bwd.shared_dg.get(), bwd.shared_du.get()},
-                                launch, stream);
-    }
-    if (parts & kSharedDx) {
-      gemm::dgrad_input({seg, H, S, bwd.shared_dg.get(), bwd.shared_du.get(), w.shared_gate, w.shared_up,
-                         bwd.shared_dx.get()},
-                        launch, stream);
-    }
     if (with_hs) {
       rebuild_hs<<<blocks_for(fwd.shared_rows * S / 2, 256, 4096), 256, 0, stream>>>(
           nullptr, nullptr, T, nullptr, reinterpret_cast<const uint32_t*>(saved.shared_g),
-          reinterpret_cast<const uint32_t*>(saved.shared_u), reinterpret_cast<uint32_t*>(bwd.shared_hs.get()),
+          reinterpret_cast<const uint32_t*>(saved.shared_u), reinterpret_cast<uint32_t*>(out.shared_hs),
           fwd.shared_rows, S / 2);
       MOK_CUDA_CHECK(cudaGetLastError());
+    }
+    if (parts & kSharedDh) {
+      gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
+                                 out.shared_dg, out.shared_du},
+                                launch, stream);
+    }
+    if (parts & kSharedDx) {
+      gemm::dgrad_input({seg, H, S, out.shared_dg, out.shared_du, w.shared_gate, w.shared_up, bwd.shared_dx.get()},
+                        launch, stream);
     }
     gemm::WgradArgs wa;
     wa.seg = seg;
     wa.mode = mode;
-    wa.problems[0] = {bwd.shared_dy.get(), bwd.shared_hs.get(), H, S, nullptr, grads.shared_down};
-    wa.problems[1] = {bwd.shared_dg.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
-    wa.problems[2] = {bwd.shared_du.get(), fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
+    wa.problems[0] = {bwd.shared_dy.get(), out.shared_hs, H, S, nullptr, grads.shared_down};
+    wa.problems[1] = {out.shared_dg, fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
+    wa.problems[2] = {out.shared_du, fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
     wa.num_problems = 3;
     if (parts & kSharedWgrad) gemm::wgrad(wa, launch, stream);
   }
 
-  // Routed experts.
+  // Routed experts (hs first, as above).
   const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), R};
-  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, bwd.dg.get(), bwd.du.get()};
-  dh.row_w = bwd.row_w.get();
-  dh.dw_part = bwd.dw_part.get();
-  if (parts & kRoutedDh) gemm::dgrad_hidden_swiglu(dh, launch, stream);
-  if (parts & kRoutedDx) {
-    gemm::dgrad_input({seg, H, I, bwd.dg.get(), bwd.du.get(), w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
-  }
   if (with_hs) {
     rebuild_hs<<<blocks_for(R * I / 2, 256, 8192), 256, 0, stream>>>(
         v.header, v.rows, 0, bwd.row_w.get(), reinterpret_cast<const uint32_t*>(saved.g),
-        reinterpret_cast<const uint32_t*>(saved.u), reinterpret_cast<uint32_t*>(bwd.hs.get()), R, I / 2);
+        reinterpret_cast<const uint32_t*>(saved.u), reinterpret_cast<uint32_t*>(out.hs), R, I / 2);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
+  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, out.dg, out.du};
+  dh.row_w = bwd.row_w.get();
+  dh.dw_part = bwd.dw_part.get();
+  if (parts & kRoutedDh) gemm::dgrad_hidden_swiglu(dh, launch, stream);
+  if (parts & kRoutedDx) gemm::dgrad_input({seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
   gemm::WgradArgs wa;
   wa.seg = seg;
   wa.mode = mode;
-  wa.problems[0] = {bwd.dy_rows.get(), bwd.hs.get(), H, I, nullptr, grads.down};
+  wa.problems[0] = {bwd.dy_rows.get(), out.hs, H, I, nullptr, grads.down};
   bf16* const x_rows = x_rows_of(state, bwd);
-  wa.problems[1] = {bwd.dg.get(), x_rows, I, H, nullptr, grads.gate};
-  wa.problems[2] = {bwd.du.get(), x_rows, I, H, nullptr, grads.up};
+  wa.problems[1] = {out.dg, x_rows, I, H, nullptr, grads.gate};
+  wa.problems[2] = {out.du, x_rows, I, H, nullptr, grads.up};
   wa.num_problems = 3;
   if (parts & kRoutedWgrad) gemm::wgrad(wa, launch, stream);
 }
 
+namespace {
+
+// Stage x and dy (and the router weights) in the window and the shared expert's padded rows,
+// then pull the x rows and the dy rows over the saved routing table; padding rows zeroed.
+void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const comm::ScheduleView& v,
+                    const BackwardArgs& args, const StagedBackwardOptions& o, bool weights, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const comm::SymmetricLayout& layout = state.layout();
+  const int64_t T = s.tokens, H = s.hidden, K = s.topk, R = bwd.buffer_rows;
+  state.stage_x(args.x, stream);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+  if (weights) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(state.topk_w_staging(), args.topk_w, T * K * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
+  if (s.has_shared()) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(fwd.shared_x.get(), args.x, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+    MOK_CUDA_CHECK(cudaMemcpyAsync(bwd.shared_dy.get(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+  }
+  bf16* const x_rows = x_rows_of(state, bwd);
+  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows), stream);
+  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);
+  if (weights) {
+    gather_row_weights<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, R, state.peers(),
+                                                                     layout.topk_w, static_cast<int>(K),
+                                                                     bwd.row_w.get());
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  zero_padding_rows<<<1024, 256, 0, stream>>>(v.header, v.rows, reinterpret_cast<uint4*>(x_rows),
+                                              reinterpret_cast<uint4*>(bwd.dy_rows.get()), H * 2 / 16);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void deferred_weight_grads(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                           const SavedContext& saved, const BackwardArgs& args, const WeightGrads& grads,
+                           const GradInputs& in, const StagedBackwardOptions& o, cudaStream_t stream) {
+  check_grads(state.shape(), grads);
+  stage_and_pull(state, fwd, bwd, saved.schedule, args, o, /*weights=*/false, stream);
+  backward_gemms(state, fwd, bwd, saved, ExpertWeights{}, grads, o, /*with_hs=*/false, stream,
+                 kSharedWgrad | kRoutedWgrad, &in);
+}
+
 void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                      const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
-                     const StagedBackwardOptions& o, cudaStream_t stream) {
+                     const StagedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {
   const LayerShape& s = state.shape();
-  check_grads(s, grads);  // before anything is enqueued
+  if (defer == nullptr) check_grads(s, grads);  // before anything is enqueued
   const comm::ScheduleView& v = saved.schedule;
   const comm::SymmetricLayout& layout = state.layout();
   const int64_t T = s.tokens, H = s.hidden, K = s.topk;
   const int64_t R = bwd.buffer_rows;
 
-  // Stage: x, dy and the router weights where the rows' holders read them.
+  // Stage x, dy and the router weights where the rows' holders read them; pull the x rows (for
+  // the gate/up weight gradients) and dy rows over the forward's routing table.
   check_router_weights(state, args.topk_w, stream);
-  state.stage_x(args.x, stream);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-  MOK_CUDA_CHECK(cudaMemcpyAsync(state.topk_w_staging(), args.topk_w, T * K * sizeof(float), cudaMemcpyDeviceToDevice,
-                                 stream));
-  if (s.has_shared()) {
-    MOK_CUDA_CHECK(cudaMemcpyAsync(fwd.shared_x.get(), args.x, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-    MOK_CUDA_CHECK(cudaMemcpyAsync(bwd.shared_dy.get(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-  }
-
-  // Pull x rows (for the gate/up weight gradients) and dy rows over the forward's routing table.
+  stage_and_pull(state, fwd, bwd, v, args, o, /*weights=*/true, stream);
   bf16* const x_rows = x_rows_of(state, bwd);
-  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows), stream);
-  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);
-  gather_row_weights<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, R, state.peers(), layout.topk_w,
-                                                                   static_cast<int>(K), bwd.row_w.get());
-  MOK_CUDA_CHECK(cudaGetLastError());
-  zero_padding_rows<<<1024, 256, 0, stream>>>(v.header, v.rows, reinterpret_cast<uint4*>(x_rows),
-                                              reinterpret_cast<uint4*>(bwd.dy_rows.get()), H * 2 / 16);
-  MOK_CUDA_CHECK(cudaGetLastError());
 
   // A routing-only context: g, u (shared g, u) again from the x rows, GEMM 1 of the forward.
   SavedContext used = saved;
@@ -313,7 +351,12 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
     run_gemm1(state, fwd, bwd, used, x_rows, w, o, stream);
   }
 
-  backward_gemms(state, fwd, bwd, used, w, grads, o, /*with_hs=*/true, stream);
+  if (defer != nullptr) {  // no weight gradients now: dg, du, hs stay in the context
+    backward_gemms(state, fwd, bwd, used, w, WeightGrads{}, o, /*with_hs=*/true, stream,
+                   kAllBackwardGemms & ~(kSharedWgrad | kRoutedWgrad), defer);
+  } else {
+    backward_gemms(state, fwd, bwd, used, w, grads, o, /*with_hs=*/true, stream);
+  }
 
   // d topk_w to the owners, dx rows to the owners' slots (the combine's barrier covers both).
   push_dtopk<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, bwd.dw_part.get(),

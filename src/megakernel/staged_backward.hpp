@@ -43,6 +43,13 @@ struct BackwardBuffers {
   size_t bytes() const;
 };
 
+// Where dg, du and hs (routed and shared) go: the backward's scratch, or (a deferring backward)
+// the layer's context, dg and du in place of its g and u (each dh tile reads its g, u before it
+// stores the same elements' dg, du; hs is rebuilt before the dh GEMM).
+struct GradInputs {
+  bf16 *dg = nullptr, *du = nullptr, *hs = nullptr, *shared_dg = nullptr, *shared_du = nullptr, *shared_hs = nullptr;
+  static GradInputs scratch(BackwardBuffers& bwd);
+};
 struct StagedBackwardOptions {
   int comm_ctas = 16;   // pulls and the dx push
   int gemm_grid = 0;    // persistent GEMM CTAs; 0 = every SM
@@ -53,9 +60,18 @@ struct StagedBackwardOptions {
 // saved.g == nullptr: the context keeps only the routing table; g, u are recomputed first.
 // Writes dx, dtopk_w and the weight gradients (grads.mode); dx and dtopk_w are NaN when the
 // saved schedule was poisoned, a router weight was not finite or a wait timed out.
+// defer (non-null): the weight gradients are not computed; dg, du, hs are left in *defer (the
+// layer's context) for deferred_weight_grads.
 void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                      const BackwardArgs& args, const ExpertWeights& weights, const WeightGrads& grads,
-                     const StagedBackwardOptions& options, cudaStream_t stream);
+                     const StagedBackwardOptions& options, cudaStream_t stream, const GradInputs* defer = nullptr);
+
+// The weight gradients a deferring staged_backward left out (Megatron's backward_dw): x and dy
+// pulled again over the saved routing table, then the K-grouped weight gradients from `in`
+// (the context's dg, du, hs). Collective like the backward itself. The same bits as one call.
+void deferred_weight_grads(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                           const SavedContext& saved, const BackwardArgs& args, const WeightGrads& grads,
+                           const GradInputs& in, const StagedBackwardOptions& options, cudaStream_t stream);
 
 // Only the backward's GEMMs (shared then routed: dh + SwiGLU backward, dx, K-grouped weight
 // gradients) on the rows already pulled (row buffer, dy rows, row weights): the "GEMMs alone"
@@ -67,7 +83,8 @@ enum BackwardGemm : unsigned {
 };
 void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const ExpertWeights& weights, const WeightGrads& grads, const StagedBackwardOptions& options,
-                    bool with_hs, cudaStream_t stream, unsigned parts = kAllBackwardGemms);
+                    bool with_hs, cudaStream_t stream, unsigned parts = kAllBackwardGemms,
+                    const GradInputs* into = nullptr);
 
 // Stream-ordered: the x rows over `saved`'s routing table, then GEMM 1 (shared and routed) into
 // `out` (its g, u, shared g, u; h into the backward's hs scratch): the forward's saved

@@ -186,6 +186,7 @@ struct RunOptions {
   Context::Keep keep = Context::Keep::kActivations;  // of this layer's context
   bool save_activations = true;                      // ForwardArgs::save_activations
   bool recompute_call = false;                       // recompute_forward_context before the backward
+  bool defer = false;  // BackwardArgs::defer_weight_grads, then (after the second layer's backward) backward_weight_grads
   std::function<void(Workspace&)> configure;  // workspace knobs (fused options)
 };
 
@@ -204,7 +205,7 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
     if (ro.configure) ro.configure(*ws);
     GradBuffers gb(s, ro.mode, r.rank);
     const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
-    auto ctx_a = Context::create(*ws, st, ro.keep);
+    auto ctx_a = Context::create(*ws, st, ro.defer ? Context::Keep::kDeferredWgrad : ro.keep);
     auto ctx_b = Context::create(*ws, st);
     std::optional<RankData> d2;
     if (ro.second != nullptr) d2.emplace(upload_rank(*ro.second, r.rank));
@@ -214,25 +215,35 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
       MOK_CUDA_CHECK(cudaMemsetAsync(dtopk.get(), 0xFF, dtopk.bytes(), st));
       schedule(*ws, d.idx.get(), st);
       forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx_a.get(), ro.save_activations}, ew, st);
-      if (d2) {
-        const ExpertWeights ew2{d2->gate.get(), d2->up.get(), d2->down.get(), d2->sgate.get(), d2->sup.get(), d2->sdown.get()};
-        schedule(*ws, d2->idx.get(), st);
-        forward(*ws, ForwardArgs{d2->x.get(), d2->w.get(), d2->y.get(), ctx_b.get()}, ew2, st);
-        comm::DeviceBuffer<bf16> dx_b(dx.size());
-        comm::DeviceBuffer<float> dtopk_b(dtopk.size());
-        GradBuffers gb_b(s, GradMode::kWriteBf16);
-        backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()}, ew2,
-                 gb_b.grads(), st);
-        ws->check();
-      }
       if (ro.recompute_call) {
         ws->check();
         EXPECT_FALSE(ctx_a->has_activations());
         recompute_forward_context(*ws, ForwardArgs{d.x.get(), d.w.get(), nullptr, ctx_a.get()}, ew, st);
         EXPECT_TRUE(ctx_a->has_activations());
       }
-      backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx_a.get()}, ew, gb.grads(),
-               st);
+      BackwardArgs ba{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx_a.get()};
+      ba.defer_weight_grads = ro.defer;
+      // the second layer: its schedule, forward and backward (every scratch buffer reused)
+      auto run_second = [&] {
+        if (d2) {
+          const ExpertWeights ew2{d2->gate.get(), d2->up.get(), d2->down.get(), d2->sgate.get(), d2->sup.get(), d2->sdown.get()};
+          schedule(*ws, d2->idx.get(), st);
+          forward(*ws, ForwardArgs{d2->x.get(), d2->w.get(), d2->y.get(), ctx_b.get()}, ew2, st);
+          comm::DeviceBuffer<bf16> dx_b(dx.size());
+          comm::DeviceBuffer<float> dtopk_b(dtopk.size());
+          GradBuffers gb_b(s, GradMode::kWriteBf16);
+          backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()}, ew2,
+                   gb_b.grads(), st);
+          ws->check();
+        }
+      };
+      if (!ro.defer) run_second();  // between this layer's forward and its backward
+      backward(*ws, ba, ew, gb.grads(), st);
+      if (ro.defer) {
+        ws->check();
+        run_second();  // between the backward and its deferred weight gradients
+        backward_weight_grads(*ws, ba, gb.grads(), st);
+      }
       ws->check();
       RankGrads& g = out[i][r.rank];
       g.dx = get_bits(dx.get(), dx.size());
@@ -447,6 +458,34 @@ TEST(BackwardRecompute, MacrobatchRingGivesTheSameBits) {
   }
 }
 
+// The deferred weight-gradient call (Megatron's backward_dw): dx and d topk_w first, another
+// layer's whole forward and backward in between, then the weight gradients: the bits of one call.
+TEST(BackwardDeferredWgrad, SplitCallGivesTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    for (int which : {0, 2}) {  // shared expert on; top-8
+      const BwdCase& c = bwd_cases()[which];
+      const LayerShape s = with_ep(c.shape, ep);
+      const Problem p = make_problem(s, c.pattern, 401 + which);
+      const Problem other = make_problem(s, Pattern::kOneExpert, 411 + which);
+      const auto dy = make_dy(s, 402 + which);
+      for (GradMode mode : {GradMode::kAccumulateFp32, GradMode::kWriteBf16}) {
+        RunOptions one;
+        one.mode = mode;
+        const auto expect = run_backward(p, dy, bwd_config(s), one);
+        RunOptions split = one;
+        split.defer = true;
+        split.second = &other;
+        const auto got = run_backward(p, dy, bwd_config(s), split);
+        for (int r = 0; r < ep; ++r) {
+          EXPECT_TRUE(same_grads(got[0][r], expect[0][r])) << c.name << " ep " << ep << " mode " << int(mode);
+        }
+      }
+    }
+  }
+}
+
 // The context contract: a backward needs a filled, unconsumed context of its own workspace.
 TEST(BackwardContext, MisusedContextsGetClearErrors) {
   MOK_REQUIRE_RANKS(1);
@@ -485,6 +524,18 @@ TEST(BackwardContext, MisusedContextsGetClearErrors) {
     ws->check();
     EXPECT_FALSE(ctx->saved());
     expect_invalid(ctx.get(), "already consumed");
+    // deferring needs a kDeferredWgrad context; backward_weight_grads a deferred backward
+    {
+      schedule(*ws, d.idx.get(), st);
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx.get()}, ew, st);
+      BackwardArgs ba{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx.get()};
+      ba.defer_weight_grads = true;
+      EXPECT_THROW(backward(*ws, ba, ew, gb.grads(), st), Error);
+      EXPECT_THROW(backward_weight_grads(*ws, ba, gb.grads(), st), Error);
+      ba.defer_weight_grads = false;
+      backward(*ws, ba, ew, gb.grads(), st);
+      ws->check();
+    }
     // recompute_forward_context needs room for the activations
     auto routing = Context::create(*ws, st, Context::Keep::kRoutingOnly);
     EXPECT_LT(routing->bytes(), ctx->bytes());
