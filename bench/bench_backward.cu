@@ -25,7 +25,6 @@
 // --grad-mode (default fp32): weight gradients added into fp32 main grads, or written bf16. At EP 1
 // every expert's gradient is on one GPU (dsv3: 11.3 G parameters): fp32 adds read and write
 // 90 GB per pass there, a floor of ~19 ms at the H200's ~4.8 TB/s.
-#include <cublas_v2.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -36,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "bench_record.hpp"
 #include "bench_timing.hpp"
 #include "bench_unfused.cuh"
@@ -51,6 +51,8 @@ namespace {
 using namespace mok;
 using bench::gather_rows;
 using bench::time_ms;
+using bench::fnv1a64;
+using bench::split;
 
 struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
@@ -61,13 +63,6 @@ struct Options {
   GradMode mode = GradMode::kAccumulateFp32;  // --grad-mode fp32 (add into fp32 main grads) | bf16 (write)
   std::string out = "bench_backward.json";
 };
-
-std::vector<std::string> split(const std::string& v) {
-  std::vector<std::string> out;
-  std::stringstream ss(v);
-  for (std::string x; std::getline(ss, x, ',');) out.push_back(x);
-  return out;
-}
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -93,21 +88,6 @@ Options parse(int argc, char** argv) {
     }
   }
   return o;
-}
-
-#define CUBLAS_OK(x)                                                                                              \
-  do {                                                                                                            \
-    const cublasStatus_t s_ = (x);                                                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS) throw Error(Status::kCudaError, "cuBLAS status " + std::to_string(int(s_))); \
-  } while (0)
-
-uint64_t fnv1a64(const void* p, size_t bytes, cudaStream_t st) {
-  std::vector<unsigned char> h(bytes);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(h.data(), p, bytes, cudaMemcpyDeviceToHost, st));
-  MOK_CUDA_CHECK(cudaStreamSynchronize(st));
-  uint64_t x = 1469598103934665603ull;
-  for (unsigned char c : h) x = (x ^ c) * 1099511628211ull;
-  return x;
 }
 
 // The unfused backward: dy rows out and dx rows back through NCCL all-to-all around mok's GEMMs.
@@ -229,23 +209,10 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
     ws->check();
     res.unfused_vs_staged = megakernel::count_mismatches(dx_ref.get(), dx.get(), dx.size(), st);
   }
-  {  // cuBLAS dense GEMM of (about) the backward's FLOPs: [M, 3I] x [H, 3I]^T, M rounded up to 128
-    const int64_t N = s.hidden, K = 3 * s.intermediate;
-    const int64_t M = (static_cast<int64_t>(2.0 * megakernel::forward_flops(s) / (2.0 * N * K)) + 127) / 128 * 128;
-    comm::DeviceBuffer<bf16> A(M * K), B(N * K), C(M * N);
-    megakernel::fill_random_bf16(A.get(), A.size(), 91, 1.0f, st);
-    megakernel::fill_random_bf16(B.get(), B.size(), 92, 0.02f, st);
-    cublasHandle_t blas;
-    CUBLAS_OK(cublasCreate(&blas));
-    CUBLAS_OK(cublasSetStream(blas, st));
-    const float one = 1.0f, zero = 0.0f;
-    res.cublas_ms = time_ms(o, sync, st, [&] {
-      CUBLAS_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B.get(), CUDA_R_16BF,
-                             int(K), A.get(), CUDA_R_16BF, int(K), &zero, C.get(), CUDA_R_16BF, int(N),
-                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    });
-    res.cublas_flops = 2.0 * double(M) * double(N) * double(K);
-    cublasDestroy(blas);
+  {  // cuBLAS dense GEMM of (about) the backward's FLOPs
+    const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, 2.0 * megakernel::forward_flops(s));
+    res.cublas_ms = d.ms;
+    res.cublas_flops = d.flops;
   }
   MOK_CUDA_CHECK(cudaStreamSynchronize(st));
   sync.arrive_and_wait();  // nobody frees its window while a peer may still read it

@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "bench_record.hpp"
 #include "bench_timing.hpp"
 #include "comm/comm_state.hpp"
@@ -58,13 +59,7 @@ namespace {
 using namespace mok;
 using bench::median;
 using bench::time_ms;
-
-std::vector<std::string> split(const std::string& v) {
-  std::vector<std::string> out;
-  std::stringstream s(v);
-  for (std::string x; std::getline(s, x, ',');) out.push_back(x);
-  return out;
-}
+using bench::split;
 
 struct Options {
   int64_t tokens = 8192;

@@ -37,7 +37,6 @@
 // The baseline is favoured: its index maps and per-peer counts are computed once on the host
 // (a real step needs the counts on the host for ncclSend/ncclRecv, i.e. a device->host sync),
 // and the shared expert reads x without a copy.
-#include <cublas_v2.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -50,6 +49,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "bench_record.hpp"
 #include "bench_timing.hpp"
 #include "bench_unfused.cuh"
@@ -69,6 +69,8 @@ using bench::time_ms;
 using bench::time_interleaved_ms;
 using bench::gather_rows;
 using bench::upload;
+using bench::fnv1a64;
+using bench::split;
 
 struct Options {
   std::vector<std::string> shapes{"dsv3", "qwen3", "gptoss"};
@@ -87,13 +89,6 @@ struct Options {
   std::string trace;  // --trace PREFIX: after each comm count's timing, one more pass of the default and of each
                       // variant, written to PREFIX-<shape>[-<variant>]-c<C>-r<rank>.bin
 };
-
-std::vector<std::string> split(const std::string& v) {
-  std::vector<std::string> out;
-  std::stringstream s(v);
-  for (std::string x; std::getline(s, x, ',');) out.push_back(x);
-  return out;
-}
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -134,12 +129,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-#define CUBLAS_OK(x)                                                                          \
-  do {                                                                                        \
-    const cublasStatus_t s_ = (x);                                                            \
-    if (s_ != CUBLAS_STATUS_SUCCESS) throw Error(Status::kCudaError, "cuBLAS status " + std::to_string(int(s_))); \
-  } while (0)
-
 // ---- timing ------------------------------------------------------------------------------------
 
 // ---- the unfused baseline (index maps and all-to-all: bench_unfused.cuh) -------------------------
@@ -166,16 +155,6 @@ struct Baseline : bench::UnfusedMaps {
     state.epilogue(L.topk_w.get(), s.has_shared() ? b.shared_out.get() : nullptr, nullptr, L.y.get(), st);
   }
 };
-
-// FNV-1a 64 of a device buffer's bytes (copied to the host; stream-ordered, synchronises).
-uint64_t fnv1a64(const void* p, size_t bytes, cudaStream_t st) {
-  std::vector<unsigned char> h(bytes);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(h.data(), p, bytes, cudaMemcpyDeviceToHost, st));
-  MOK_CUDA_CHECK(cudaStreamSynchronize(st));
-  uint64_t x = 1469598103934665603ull;
-  for (unsigned char c : h) x = (x ^ c) * 1099511628211ull;
-  return x;
-}
 
 // ---- one rank, one shape ---------------------------------------------------------------------------
 struct RankResult {
@@ -351,24 +330,10 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     res.baseline_vs_fused = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
   }
 
-  // cuBLAS dense GEMM of (about) the same FLOPs: [M, 3I] x [H, 3I]^T, M rounded up to 128.
-  {
-    const int64_t N = s.hidden, K = 3 * s.intermediate;
-    const int64_t M = (static_cast<int64_t>(megakernel::forward_flops(s) / (2.0 * N * K)) + 127) / 128 * 128;
-    comm::DeviceBuffer<bf16> A(M * K), B(N * K), C(M * N);
-    megakernel::fill_random_bf16(A.get(), A.size(), 91, 1.0f, st);
-    megakernel::fill_random_bf16(B.get(), B.size(), 92, 0.02f, st);
-    cublasHandle_t blas;
-    CUBLAS_OK(cublasCreate(&blas));
-    CUBLAS_OK(cublasSetStream(blas, st));
-    const float one = 1.0f, zero = 0.0f;
-    res.cublas_ms = time_ms(o, sync, st, [&] {  // row-major C = A B^T as cuBLAS column-major C^T = B A^T
-      CUBLAS_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, B.get(), CUDA_R_16BF,
-                             int(K), A.get(), CUDA_R_16BF, int(K), &zero, C.get(), CUDA_R_16BF, int(N),
-                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    });
-    res.cublas_flops = 2.0 * double(M) * double(N) * double(K);
-    cublasDestroy(blas);
+  {  // cuBLAS dense GEMM of (about) the same FLOPs
+    const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, megakernel::forward_flops(s));
+    res.cublas_ms = d.ms;
+    res.cublas_flops = d.flops;
   }
   MOK_CUDA_CHECK(cudaStreamSynchronize(st));
   sync.arrive_and_wait();  // nobody frees its window while a peer may still read it

@@ -81,7 +81,6 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   megakernel::save_schedule(*impl.state, *impl.forward, ctx.layout, ctx.base, stream);
   ctx.state = Context::Impl::State::kSaved;
   ctx.complete = keep;
-  ctx.stream = stream;
   impl.last_stream = stream;
 }
 
@@ -142,14 +141,7 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   const megakernel::GradInputs defer = deferred_inputs(ctx);
   megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
                               backward_options(impl), stream, args.defer_weight_grads ? &defer : nullptr);
-  if (args.defer_weight_grads) {
-    ctx.state = Context::Impl::State::kAwaitingWgrad;
-    ctx.stream = stream;
-    impl.last_stream = stream;
-    return;
-  }
-  ctx.state = Context::Impl::State::kConsumed;
-  ctx.stream = stream;
+  ctx.state = args.defer_weight_grads ? Context::Impl::State::kAwaitingWgrad : Context::Impl::State::kConsumed;
   impl.last_stream = stream;
 }
 
@@ -166,7 +158,6 @@ void backward_weight_grads(Workspace& ws, const BackwardArgs& args, const Weight
   megakernel::deferred_weight_grads(*impl.state, *impl.forward, *impl.backward, ctx.saved, args, grads,
                                     deferred_inputs(ctx), backward_options(impl), stream);
   ctx.state = Context::Impl::State::kConsumed;
-  ctx.stream = stream;
   impl.last_stream = stream;
 }
 
@@ -184,7 +175,6 @@ void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const Exp
   megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, ctx.saved,
                                     backward_options(impl), stream);
   ctx.complete = true;
-  ctx.stream = stream;
   impl.last_stream = stream;
 }
 

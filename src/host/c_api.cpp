@@ -83,6 +83,7 @@ mok::Context::Keep keep_of(int32_t keep) {
 }
 
 mok::WeightGrads to_grads(const mok_weight_grads_t* grads) {
+  require(grads, "grads");
   mok::WeightGrads g;
   g.mode = grads->accumulate_fp32 ? mok::GradMode::kAccumulateFp32 : mok::GradMode::kWriteBf16;
   g.gate = grads->gate;
@@ -191,7 +192,6 @@ mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, 
                           void* dx, float* dtopk_w, const mok_expert_weights_t* weights,
                           const mok_weight_grads_t* grads, int32_t defer_weight_grads, mok_stream_t stream) {
   return guarded([&] {
-    require(grads, "grads");
     if (defer_weight_grads != 0 && defer_weight_grads != 1) throw_invalid_flag("defer_weight_grads", defer_weight_grads);
     mok::BackwardArgs args{static_cast<const mok::bf16*>(x), topk_w, static_cast<const mok::bf16*>(dy),
                            static_cast<mok::bf16*>(dx), dtopk_w, ctx != nullptr ? ctx->ctx.get() : nullptr,
@@ -203,7 +203,6 @@ mok_status_t mok_backward(mok_workspace_t ws, mok_context_t ctx, const void* x, 
 mok_status_t mok_backward_weight_grads(mok_workspace_t ws, mok_context_t ctx, const void* x, const void* dy,
                                        const mok_weight_grads_t* grads, mok_stream_t stream) {
   return guarded([&] {
-    require(grads, "grads");
     mok::BackwardArgs args;
     args.x = static_cast<const mok::bf16*>(x);
     args.dy = static_cast<const mok::bf16*>(dy);

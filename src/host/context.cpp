@@ -44,7 +44,6 @@ std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream, Kee
   MOK_CUDA_CHECK(cudaMallocAsync(&p, impl->bytes, stream));
   impl->base = static_cast<char*>(p);
   impl->owned = true;
-  impl->stream = stream;
   impl->saved = megakernel::SavedContext::at(impl->base, impl->layout, ws.shape());
   return std::make_unique<Context>(std::move(impl));
 }

@@ -28,7 +28,6 @@ struct Context::Impl {
   char* base = nullptr;
   size_t bytes = 0;
   bool owned = false;             // mok allocated `base` (stream-ordered) and frees it
-  cudaStream_t stream = nullptr;  // the stream of the last use
   State state = State::kEmpty;
   // The block holds the activations of its forward (false: routing table only; the backward
   // recomputes them: a routing-only block, ForwardArgs::save_activations false, the macrobatch ring)

@@ -204,7 +204,7 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
     auto ws = create_workspace(s, cfg, r);
     if (ro.configure) ro.configure(*ws);
     GradBuffers gb(s, ro.mode, r.rank);
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     auto ctx_a = Context::create(*ws, st, ro.defer ? Context::Keep::kDeferredWgrad : ro.keep);
     auto ctx_b = Context::create(*ws, st);
     std::optional<RankData> d2;
@@ -226,7 +226,7 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
       // the second layer: its schedule, forward and backward (every scratch buffer reused)
       auto run_second = [&] {
         if (d2) {
-          const ExpertWeights ew2{d2->gate.get(), d2->up.get(), d2->down.get(), d2->sgate.get(), d2->sup.get(), d2->sdown.get()};
+          const ExpertWeights ew2 = d2->weights();
           schedule(*ws, d2->idx.get(), st);
           forward(*ws, ForwardArgs{d2->x.get(), d2->w.get(), d2->y.get(), ctx_b.get()}, ew2, st);
           comm::DeviceBuffer<bf16> dx_b(dx.size());
@@ -502,7 +502,7 @@ TEST(BackwardContext, MisusedContextsGetClearErrors) {
     auto ws = create_workspace(s, bwd_config(s), r);
     auto other = create_workspace(s, bwd_config(s), r);
     GradBuffers gb(s, GradMode::kWriteBf16);
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     auto ctx = Context::create(*ws, st);
     auto foreign = Context::create(*other, st);
     EXPECT_FALSE(ctx->saved());
@@ -574,7 +574,7 @@ TEST(BackwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsDx) {
     cudaStream_t st = rank_stream();
     auto ws = create_workspace(s, bwd_config(s), r);
     GradBuffers gb(s, GradMode::kWriteBf16);
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), st);
     forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, st);
     ws->check();

@@ -33,7 +33,7 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     cudaStream_t stream = rank_stream();
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     // This rank's passes so far: when each was launched, when the host calls returned and when
     // it was checked (ms on the harness clock). A failure prints them, which tells a host call
     // that blocked (enqueued late) from kernels that did not start (checked late).
@@ -276,7 +276,7 @@ std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::
     if (all_slots) {
       MOK_CUDA_CHECK(cudaMemsetAsync(const_cast<bf16*>(ws->impl().state->slots()), 0xFF, slot_elems * 2, rank_stream()));
     }
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), rank_stream());
     forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
     ws->check();
@@ -450,7 +450,7 @@ void with_small_fused_workspace(uint64_t seed, Check check, int grid_sms = 0) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), rank_stream());
     check(*ws, d, ew, cfg, s);
     ws->check();
@@ -510,7 +510,7 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
     auto ws = create_workspace(s, cfg, r);
     ws->impl().forward_path = megakernel::ForwardPath::kFused;
     ASSERT_TRUE(ws->impl().forward->ring());
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), rank_stream());
     ws->impl().forward_path = megakernel::ForwardPath::kStaged;
     expect_forward_refused(*ws, d, ew, "Config.macrobatch", "the staged path on a ring");
@@ -534,7 +534,7 @@ void expect_forward_error(const Problem& p, const Config& cfg, Status status, co
   RankPool::get(p.shape.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(p.shape, cfg, r);
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), rank_stream());
     forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
     try {
@@ -586,7 +586,7 @@ TEST(ForwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsY) {
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, default_config(s), r);
-    const ExpertWeights ew{d.gate.get(), d.up.get(), d.down.get(), d.sgate.get(), d.sup.get(), d.sdown.get()};
+    const ExpertWeights ew = d.weights();
     for (auto path : {megakernel::ForwardPath::kStaged, megakernel::ForwardPath::kFused}) {
       ws->impl().forward_path = path;
       schedule(*ws, d.idx.get(), rank_stream());

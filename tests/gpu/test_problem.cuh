@@ -17,6 +17,9 @@ struct RankData {
   comm::DeviceBuffer<bf16> x, y, gate, up, down, sgate, sup, sdown;
   comm::DeviceBuffer<int32_t> idx;
   comm::DeviceBuffer<float> w;
+  ExpertWeights weights() const {
+    return ExpertWeights{gate.get(), up.get(), down.get(), sgate.get(), sup.get(), sdown.get()};
+  }
 };
 
 template <class T>
