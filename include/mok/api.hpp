@@ -174,6 +174,10 @@ inline size_t context_bytes(const LayerShape& shape, const Config& config, Conte
 
 // Routing table for the next forward/backward: exchanged and derived on the GPU (DESIGN §2.1).
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream);
+// The same for a call of `tokens` tokens (1 <= tokens <= shape.tokens, the same on every rank: the
+// last batch of an epoch, packed sequences): topk_idx is [tokens, K], and the forward, its backward
+// and its context work on [tokens, ...] buffers.
+void schedule(Workspace& ws, const int32_t* topk_idx, int64_t tokens, cudaStream_t stream);
 // y = shared(x) + sum_k topk_w[t,k] * expert_{topk_idx[t,k]}(x[t]); saves the forward context.
 void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights,
              cudaStream_t stream);

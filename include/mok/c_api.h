@@ -76,7 +76,10 @@ mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t by
                                    mok_context_t* out);
 mok_status_t mok_context_destroy(mok_context_t ctx);
 
-mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_stream_t stream);
+/* Routing table of the next forward: topk_idx [tokens, K] int32 on the device. tokens: this call's
+ * T, 1 <= tokens <= the workspace's shape.tokens, the same on every rank (the forward, its
+ * backward and its context then work on [tokens, ...] buffers). */
+mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, int64_t tokens, mok_stream_t stream);
 /* ctx: where the forward saves what its backward needs; NULL: the workspace's own context.
  * save_activations 0: keep only the routing table (activation checkpointing). */
 mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, void* y,

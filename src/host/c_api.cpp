@@ -138,8 +138,8 @@ mok_status_t mok_workspace_check(mok_workspace_t ws) {
   return guarded([&] { deref(ws).check(); });
 }
 
-mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, mok_stream_t stream) {
-  return guarded([&] { mok::schedule(deref(ws), topk_idx, stream_of(stream)); });
+mok_status_t mok_schedule(mok_workspace_t ws, const int32_t* topk_idx, int64_t tokens, mok_stream_t stream) {
+  return guarded([&] { mok::schedule(deref(ws), topk_idx, tokens, stream_of(stream)); });
 }
 
 mok_status_t mok_workspace_bytes(mok_workspace_t ws, uint64_t* bytes) {
