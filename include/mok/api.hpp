@@ -38,6 +38,10 @@ struct ExpertWeights {
   const bf16* shared_gate = nullptr;  // [I_shared, H]   (nullptr when I_shared = 0)
   const bf16* shared_up = nullptr;    // [I_shared, H]
   const bf16* shared_down = nullptr;  // [H, I_shared]
+  // Elements from one routed expert's matrix to the next; 0: dense (I*H for gate and up, H*I for
+  // down). Rows inside an expert stay dense. Hugging Face's fused gate_up_proj [E, 2I, H] without a
+  // copy: gate = p, up = p + I*H, gate_expert_stride = up_expert_stride = 2*I*H.
+  int64_t gate_expert_stride = 0, up_expert_stride = 0, down_expert_stride = 0;
 };
 
 // How weight gradients are delivered: written as bf16, or added into fp32 main-grad buffers.
@@ -52,6 +56,7 @@ struct WeightGrads {
   void* shared_gate = nullptr;
   void* shared_up = nullptr;
   void* shared_down = nullptr;
+  int64_t gate_expert_stride = 0, up_expert_stride = 0, down_expert_stride = 0;  // as in ExpertWeights
 };
 
 class Context;

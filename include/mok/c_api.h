@@ -36,11 +36,16 @@ typedef struct {
 
 typedef struct {
   const void *gate, *up, *down, *shared_gate, *shared_up, *shared_down; /* bf16 device pointers */
+  /* Elements from one routed expert's matrix to the next; 0: dense ([E_local, I, H] / [E_local, H, I]).
+   * Rows inside an expert are dense. Hugging Face's fused gate_up_proj [E, 2I, H]: gate = p,
+   * up = p + I*H, both with stride 2*I*H. */
+  int64_t gate_expert_stride, up_expert_stride, down_expert_stride;
 } mok_expert_weights_t;
 
 typedef struct {
   int32_t accumulate_fp32; /* 1: add into fp32 buffers; 0: write bf16 */
   void *gate, *up, *down, *shared_gate, *shared_up, *shared_down;
+  int64_t gate_expert_stride, up_expert_stride, down_expert_stride; /* as in mok_expert_weights_t */
 } mok_weight_grads_t;
 
 typedef struct mok_workspace* mok_workspace_t;

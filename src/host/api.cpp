@@ -24,7 +24,22 @@ EngineInfo engine_info() {
 
 namespace {
 
+// Expert strides: 0 (dense) or at least one expert's matrix, a multiple of 8 elements (16-byte TMA
+// strides).
+void check_expert_stride(const char* argument, int64_t stride, int64_t dense) {
+  if (stride != 0 && (stride < dense || stride % 8 != 0)) {
+    throw_invalid(argument, "0 (dense) or a multiple of 8 elements >= " + std::to_string(dense), std::to_string(stride));
+  }
+  if (stride != 0 && stride != dense) {
+    throw Error(Status::kNotImplemented, std::string(argument) + ": expert strides other than the dense one");
+  }
+}
+
 void check_forward_args(const Workspace& ws, const ForwardArgs& args, const ExpertWeights& w) {
+  const int64_t IH = ws.shape().intermediate * ws.shape().hidden;
+  check_expert_stride("ExpertWeights.gate_expert_stride", w.gate_expert_stride, IH);
+  check_expert_stride("ExpertWeights.up_expert_stride", w.up_expert_stride, IH);
+  check_expert_stride("ExpertWeights.down_expert_stride", w.down_expert_stride, IH);
   if (args.x == nullptr) throw_invalid("ForwardArgs.x", "a device pointer to [T, H] bf16", "nullptr");
   if (args.topk_w == nullptr) throw_invalid("ForwardArgs.topk_w", "a device pointer to [T, K] fp32", "nullptr");
   if (w.gate == nullptr || w.up == nullptr || w.down == nullptr) {

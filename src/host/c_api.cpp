@@ -61,7 +61,11 @@ mok::Config to_config(const mok_config_t* c) {
 mok::ExpertWeights to_weights(const mok_expert_weights_t* w) {
   require(w, "weights");
   auto b = [](const void* p) { return static_cast<const mok::bf16*>(p); };
-  return mok::ExpertWeights{b(w->gate), b(w->up), b(w->down), b(w->shared_gate), b(w->shared_up), b(w->shared_down)};
+  return mok::ExpertWeights{b(w->gate),        b(w->up),
+                            b(w->down),        b(w->shared_gate),
+                            b(w->shared_up),   b(w->shared_down),
+                            w->gate_expert_stride, w->up_expert_stride,
+                            w->down_expert_stride};
 }
 
 mok::Workspace& deref(mok_workspace_t ws) {
@@ -92,6 +96,9 @@ mok::WeightGrads to_grads(const mok_weight_grads_t* grads) {
   g.shared_gate = grads->shared_gate;
   g.shared_up = grads->shared_up;
   g.shared_down = grads->shared_down;
+  g.gate_expert_stride = grads->gate_expert_stride;
+  g.up_expert_stride = grads->up_expert_stride;
+  g.down_expert_stride = grads->down_expert_stride;
   return g;
 }
 

@@ -139,6 +139,18 @@ void check_grads(const LayerShape& s, const WeightGrads& g) {
   if (s.has_shared() && (g.shared_gate == nullptr || g.shared_up == nullptr || g.shared_down == nullptr)) {
     throw_invalid("WeightGrads.shared_*", "device pointers (LayerShape.shared_intermediate > 0)", "nullptr");
   }
+  const int64_t IH = s.intermediate * s.hidden;
+  const std::pair<const char*, int64_t> strides[] = {{"WeightGrads.gate_expert_stride", g.gate_expert_stride},
+                                                     {"WeightGrads.up_expert_stride", g.up_expert_stride},
+                                                     {"WeightGrads.down_expert_stride", g.down_expert_stride}};
+  for (const auto& [argument, stride] : strides) {
+    if (stride != 0 && (stride < IH || stride % 8 != 0)) {
+      throw_invalid(argument, "0 (dense) or a multiple of 8 elements >= " + std::to_string(IH), std::to_string(stride));
+    }
+    if (stride != 0 && stride != IH) {
+      throw Error(Status::kNotImplemented, std::string(argument) + ": expert strides other than the dense one");
+    }
+  }
 }
 
 // GEMM 1 + SwiGLU of the forward (shared, then routed) on the x rows into out's g, u; h goes to
