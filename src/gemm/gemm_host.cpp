@@ -35,26 +35,42 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
-                     int box_rows, const char* what) {
+namespace {
+
+CUtensorMap map_2d_or_3d(CUtensorMapDataType type, int elem_bytes, const void* base, int64_t batch, int64_t rows,
+                         int64_t cols, int box_cols, int box_rows, const char* what, int64_t batch_stride) {
   CUtensorMap map;
+  const int64_t stride = batch_stride > 0 ? batch_stride : rows * cols;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(batch > 0 ? batch : 1)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
-                                 static_cast<cuuint64_t>(rows * cols) * 2};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * elem_bytes, static_cast<cuuint64_t>(stride) * elem_bytes};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const cuuint32_t rank = batch > 0 ? 3 : 2;
   const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box,
-      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, type, rank, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    throw Error(Status::kCudaError, std::string("mok gemm: cuTensorMapEncodeTiled for ") + what +
-                                        " [" + std::to_string(batch) + ", " + std::to_string(rows) +
-                                        ", " + std::to_string(cols) + "]: CUresult " + std::to_string(int(r)));
+    throw Error(Status::kCudaError, std::string("mok gemm: cuTensorMapEncodeTiled for ") + what + " [" +
+                                        std::to_string(batch) + ", " + std::to_string(rows) + ", " +
+                                        std::to_string(cols) + "] (batch stride " + std::to_string(stride) +
+                                        "): CUresult " + std::to_string(int(r)));
   }
   return map;
+}
+
+}  // namespace
+
+CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols, int box_rows,
+                     const char* what, int64_t batch_stride) {
+  return map_2d_or_3d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, batch, rows, cols, box_cols, box_rows, what,
+                      batch_stride);
+}
+
+CUtensorMap map_f32(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols, int box_rows,
+                    const char* what, int64_t batch_stride) {
+  return map_2d_or_3d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, batch, rows, cols, box_cols, box_rows, what,
+                      batch_stride);
 }
 
 void check_multiple(const char* argument, int64_t value, int64_t multiple) {

@@ -13,11 +13,15 @@
 
 namespace mok::gemm::host {
 
-// Row-major bf16 matrix [rows, cols] (or a stack [batch, rows, cols] when batch > 0) viewed
-// by TMA with boxes of box_cols x box_rows elements and the 128-byte swizzle. Elements
-// outside the matrix read as zero and are never written by stores.
+// Row-major bf16 matrix [rows, cols] (or a stack [batch, rows, cols] when batch > 0, matrix b
+// at base + b * batch_stride elements; 0: rows * cols) viewed by TMA with boxes of
+// box_cols x box_rows elements and the 128-byte swizzle. Elements outside the matrix read as
+// zero and are never written by stores.
 CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
-                     int box_rows, const char* what);
+                     int box_rows, const char* what, int64_t batch_stride = 0);
+// The same for fp32 (box_cols <= 32: 128-byte box rows under the swizzle).
+CUtensorMap map_f32(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
+                    int box_rows, const char* what, int64_t batch_stride = 0);
 
 // Throws unless `value` is a positive multiple of `multiple`.
 void check_multiple(const char* argument, int64_t value, int64_t multiple);

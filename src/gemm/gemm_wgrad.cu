@@ -54,8 +54,13 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
     WgradProblemParams& kp = p.problems[q];
     kp.a = host::map_bf16(pr.a, 0, R, pr.m, 64, 64, "wgrad a");
     kp.b = host::map_bf16(pr.b, 0, R, pr.n, 64, 64, "wgrad b");
-    kp.out = a.mode == WgradOut::kWriteBf16 ? host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out")
-                                            : kp.b;  // unused outside kWriteBf16
+    if (a.mode == WgradOut::kWriteBf16) {
+      kp.out = host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out");
+    } else if (a.mode == WgradOut::kAccumulateFp32) {
+      kp.out = host::map_f32(pr.out, E, pr.m, pr.n, 32, 64, "wgrad main grad");  // TMA reduce-add boxes
+    } else {
+      kp.out = kp.b;  // unused: kPartialFp32 stores through out_ptr
+    }
     kp.m = static_cast<int>(pr.m);
     kp.n = static_cast<int>(pr.n);
     kp.partial_in = pr.partial_in;

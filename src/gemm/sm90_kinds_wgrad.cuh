@@ -6,6 +6,8 @@
 
 #include <cuda.h>
 
+#include <utility>
+
 #include "gemm/sm90_roles.cuh"
 #include "gemm/swiglu_math.cuh"
 #include "gemm/tile_scheduler.cuh"
@@ -17,7 +19,7 @@ enum WgradMode : int { kWgradPartialFp32 = 0, kWgradWriteBf16 = 1, kWgradAccumul
 struct WgradProblemParams {
   CUtensorMap a;    // [rows, M], box 64 x 64
   CUtensorMap b;    // [rows, N], box 64 x 64
-  CUtensorMap out;  // bf16 [E, M, N], box 64 x 64 x 1 (kWriteBf16)
+  CUtensorMap out;  // bf16 [E, M, N], box 64 x 64 x 1 (kWriteBf16); fp32, box 32 x 64 x 1 (kAccumulateFp32)
   int m, n;
   const float* partial_in;  // or nullptr: start from zeros
   void* out_ptr;
@@ -146,33 +148,72 @@ struct WgradKind {
   // The fp32 modes (the bf16 output goes through pack / store_piece).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    const Problem& pr = problem(p, t);
     static_assert(Mode != kWgradWriteBf16, "bf16 wgrad output is stored by the deferred epilogue");
-    // Chunks of 8 pairs: the loads of a chunk are issued together (the asm statements keep
-    // their order), so their latency overlaps instead of one round trip per pair.
+    if constexpr (Mode == kWgradAccumulateFp32) {
+      reduce_add_rounds(p, t, ctx, acc, std::make_integer_sequence<int, 4>{});
+    } else {
+      store_partial(p, t, ctx, acc);
+    }
+  }
+
+  // main_grad += dW through the TMA unit: each 64-column quarter of the warpgroup's 64 x 256
+  // accumulator goes to the staging buffer (two 32-column fp32 boxes, 128-byte swizzle), and one
+  // thread issues a bulk tensor reduce-add of the boxes into the fp32 main grad. L2 performs the
+  // read-modify-write asynchronously, so the next tile's K loop starts as soon as the staging is
+  // read, not after a round trip to HBM per element (the loads of the former ld/add/st epilogue
+  // were the wgrad kernel's critical path: docs/gemm.md). One fp32 add per element, as before:
+  // no other tile of the launch touches the element, so the result does not depend on timing.
+  template <class Acc, int... R>
+  __device__ static void reduce_add_rounds(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc,
+                                           std::integer_sequence<int, R...>) {
+    (reduce_add_round<R>(p, t, ctx, acc), ...);
+  }
+  template <int R, class Acc>
+  __device__ static void reduce_add_round(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    const Problem& pr = problem(p, t);
+    const int col0 = 256 * t.n_tile + 64 * R, row0 = 128 * t.m_tile + 64 * ctx.wg;
+    // The staging buffer is free once the TMA unit read the previous round (or the previous
+    // tile's last one).
+    if (ctx.tid == 0) cute::tma_store_wait<0>();
+    named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
+    const int lane = ctx.tid % 32;
+    // Row r = 16 warp + lane/4 + 8 v1 of the box: 128 bytes per row, 16-byte chunk c of a row
+    // stored at chunk c ^ (r mod 8) (SWIZZLE_128B; r mod 8 = lane / 4). Fragment block jj of the
+    // round holds columns 8 jj + 2 (lane % 4) + {0, 1}: box jj / 4, chunk 2 (jj % 4) + (lane % 4) / 2.
+    const uint32_t row_base = (16 * (ctx.tid / 32) + lane / 4) * 128 + 8 * (lane % 2);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int i = 4 * (8 * R + jj) + 2 * v1;
+        const uint32_t chunk = static_cast<uint32_t>(2 * (jj % 4) + (lane % 4) / 2) ^ static_cast<uint32_t>(lane / 4);
+        const uint32_t off = (jj / 4) * 8192 + v1 * 1024 + row_base + (chunk << 4);
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(ctx.stage_saddr + off), "f"(acc(i)), "f"(acc(i + 1)));
+      }
+    }
+    cute::tma_store_fence();  // the generic-proxy writes, visible to the TMA unit
+    named_barrier_sync(ctx.barrier_id(), kWarpGroupThreads);
+    if (ctx.tid == 0) {
+      // A box that starts outside the matrix is not issued (m and n are multiples of 64).
+      if (row0 < pr.m) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          if (col0 + 32 * b < pr.n) cute::SM90_TMA_REDUCE_ADD_3D::copy(&pr.out, ctx.stage + b * 8192, col0 + 32 * b, row0, t.expert);
+        }
+      }
+      cute::tma_store_arrive();
+    }
+  }
+
+  // kWgradPartialFp32: the raw fp32 partial, for a later call to continue (seed).
+  template <class Acc>
+  __device__ static void store_partial(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    const Problem& pr = problem(p, t);
     float* out = static_cast<float*>(pr.out_ptr);
-    constexpr int kChunk = 8;
 #pragma unroll
-    for (int i0 = 0; i0 < cute::size(acc); i0 += 2 * kChunk) {
-      float ox[kChunk], oy[kChunk];
-      if constexpr (Mode == kWgradAccumulateFp32) {
-#pragma unroll
-        for (int q = 0; q < kChunk; ++q) {
-          const Coord c = coord(pr, t, ctx, i0 + 2 * q);
-          ld_f2_pred(out + c.offset, c.in, ox[q], oy[q]);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kChunk; ++q) {
-        const int i = i0 + 2 * q;
-        const Coord c = coord(pr, t, ctx, i);
-        float x = acc(i), y = acc(i + 1);
-        if constexpr (Mode == kWgradAccumulateFp32) {
-          x = ox[q] + x;  // main_grad += dW: one fp32 add per element
-          y = oy[q] + y;
-        }
-        st_f2_pred(out + c.offset, c.in, x, y);
-      }
+    for (int i = 0; i < cute::size(acc); i += 2) {
+      const Coord c = coord(pr, t, ctx, i);
+      st_f2_pred(out + c.offset, c.in, acc(i), acc(i + 1));
     }
   }
 
