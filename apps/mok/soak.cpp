@@ -3,7 +3,8 @@
 // expert, and empty experts (only every 4th expert routed to). Each step runs schedule + forward +
 // backward twice on the same inputs, once on the fused forward and once on the staged one
 // (MOK_FORWARD_PATH's two paths; the backward is the staged GPU backward in both), and compares
-// y, dx, d topk_w and every weight gradient bit for bit. Counts the steps with a mismatch and the
+// y, dx, d topk_w and every weight gradient bit for bit. Every other cycle of the four patterns
+// the call carries fewer tokens than the workspace (ragged T, drawn per step). Counts the steps with a mismatch and the
 // errors (any mok::Error from Workspace::check()); exit status 1 when either is not zero.
 #include <algorithm>
 #include <barrier>
@@ -108,7 +109,8 @@ int run_soak(const Options& opts) {
               "staged forward, each followed by the GPU backward, every output compared bit for bit\n",
               shape.to_string().c_str(), static_cast<long long>(steps), kPatterns[0], kPatterns[1], kPatterns[2],
               kPatterns[3]);
-  std::printf("  not covered: calls with fewer tokens than the workspace (ragged T) are not built yet\n");
+  std::printf("  every other cycle of the patterns a ragged call: T drawn in [1, %lld] (the same on every rank, outputs poisoned first)\n",
+              static_cast<long long>(shape.tokens));
   std::fflush(stdout);
   std::mutex mu;
   int64_t mismatches = 0, errors = 0;
@@ -133,12 +135,19 @@ int run_soak(const Options& opts) {
       megakernel::fill_random_bf16(layer.x.get(), layer.x.size(), salt + 1, 1.0f, st);
       megakernel::fill_random_f32(layer.topk_w.get(), layer.topk_w.size(), salt + 2, 0.05f, 1.0f, st);
       megakernel::fill_random_bf16(dy.get(), dy.size(), salt + 3, 1e-2f, st);
+      // Every other cycle of the patterns: a ragged call of T_call <= T tokens (the same draw on every rank).
+      const int64_t call_tokens =
+          (step / 4) % 2 == 1 ? 1 + static_cast<int64_t>((seed * 2654435761u + step * 40503u) % shape.tokens) : shape.tokens;
+      for (PassOut* o : {&fused, &staged}) {
+        for (auto* b : {&o->y, &o->dx}) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xFF, b->bytes(), st));
+        MOK_CUDA_CHECK(cudaMemsetAsync(o->dtopk.get(), 0xFF, o->dtopk.bytes(), st));
+      }
       MOK_CUDA_CHECK(cudaStreamSynchronize(st));  // the host routing vector is a stack value
       bool failed = false;
       for (PassOut* o : {&fused, &staged}) {
         ws->impl().forward_path = o == &fused ? megakernel::ForwardPath::kFused : megakernel::ForwardPath::kStaged;
         try {
-          schedule(*ws, layer.topk_idx.get(), st);
+          schedule(*ws, layer.topk_idx.get(), call_tokens, st);
           forward(*ws, ForwardArgs{layer.x.get(), layer.topk_w.get(), o->y.get(), ctx.get()}, w, st);
           backward(*ws, BackwardArgs{layer.x.get(), layer.topk_w.get(), dy.get(), o->dx.get(), o->dtopk.get(), ctx.get()},
                    w, o->grads(), st);

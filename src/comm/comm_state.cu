@@ -55,12 +55,13 @@ WaitContext CommState::wait_context() const {
   return w;
 }
 
-void CommState::schedule(const int32_t* topk_idx, cudaStream_t stream) {
+void CommState::schedule(const int32_t* topk_idx, int64_t tokens, cudaStream_t stream) {
   ScheduleLaunch l;
   l.shape = shape_;
   l.peers = peers();
   l.layout = layout_;
   l.topk_idx = topk_idx;
+  l.tokens = tokens;
   l.parity = parity_;
   l.max_rows = config_.max_rows_per_rank(shape_);
   l.barrier = GroupBarrier{sync(SyncSite::kExchange), layout_.flags, next_epoch()};
@@ -69,9 +70,9 @@ void CommState::schedule(const int32_t* topk_idx, cudaStream_t stream) {
   launch_schedule(l, *schedule_, stream);
 }
 
-void CommState::stage_x(const __nv_bfloat16* x, cudaStream_t stream) {
+void CommState::stage_x(const __nv_bfloat16* x, int64_t tokens, cudaStream_t stream) {
   if (x == x_staging()) return;  // zero-copy: the caller wrote x into the window
-  const size_t bytes = static_cast<size_t>(shape_.tokens) * shape_.hidden * sizeof(__nv_bfloat16);
+  const size_t bytes = static_cast<size_t>(tokens) * shape_.hidden * sizeof(__nv_bfloat16);
   MOK_CUDA_CHECK(cudaMemcpyAsync(x_staging(), x, bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
@@ -185,7 +186,7 @@ void CommState::epilogue(const float* topk_w, const __nv_bfloat16* shared_out, c
   r.topk_w = topk_w;
   r.shared_out = shared_out;
   r.y = y;
-  r.tokens = shape_.tokens;
+  r.tokens = v.tokens;  // this call's tokens (the rows of y); the tables' stride stays T
   r.hidden = shape_.hidden;
   r.topk = shape_.topk;
   if (own_rows != nullptr) {

@@ -44,9 +44,12 @@ class CommState {
   CommState& operator=(const CommState&) = delete;
 
   // ---- operations (stream-ordered, no host sync) ----
-  void schedule(const int32_t* topk_idx, cudaStream_t stream);
-  // x [T, H] into the symmetric staging buffer (nothing to do when x is x_staging()).
-  void stage_x(const __nv_bfloat16* x, cudaStream_t stream);
+  void schedule(const int32_t* topk_idx, cudaStream_t stream) { schedule(topk_idx, shape_.tokens, stream); }
+  // A call of `tokens` (<= T) tokens: topk_idx [tokens, K]; ScheduleView::tokens says it after.
+  void schedule(const int32_t* topk_idx, int64_t tokens, cudaStream_t stream);
+  // x [tokens, H] into the symmetric staging buffer (nothing to do when x is x_staging()).
+  void stage_x(const __nv_bfloat16* x, cudaStream_t stream) { stage_x(x, shape_.tokens, stream); }
+  void stage_x(const __nv_bfloat16* x, int64_t tokens, cudaStream_t stream);
   // Barrier (x staged everywhere), then pull every routed row into row_buffer().
   void dispatch(int ctas, bool dedup, cudaStream_t stream);
   // The launch descriptors behind dispatch()/combine(), for callers that adjust a role (tests,

@@ -25,13 +25,20 @@ const char* wait_site_name(WaitSite site) {
 std::optional<Error> describe_device_error(const DeviceErrorRecord& rec, const LayerShape& shape, int rank) {
   const std::string on = "GPU schedule on rank " + std::to_string(rank) + ": ";
   if (rec.routing_key != kNoRoutingError) {
-    const int64_t item = static_cast<int64_t>(rec.routing_key >> 33);
-    const auto kind = static_cast<RoutingErrorKind>((rec.routing_key >> 32) & 1u);
+    const int64_t item = static_cast<int64_t>(rec.routing_key >> 34);
+    const auto kind = static_cast<RoutingErrorKind>((rec.routing_key >> 32) & 3u);
     const int32_t value = static_cast<int32_t>(static_cast<uint32_t>(rec.routing_key & 0xffffffffu));
     const int64_t global_token = item / shape.topk;
     const std::string where = "topk_idx[rank " + std::to_string(global_token / shape.tokens) + ", token " +
                               std::to_string(global_token % shape.tokens) + ", k " +
                               std::to_string(item % shape.topk) + "]";
+    if (kind == RoutingErrorKind::kTokenCount) {
+      return Error(Status::kInvalidArgument,
+                   on + "rank " + std::to_string(global_token / shape.tokens) +
+                       " called mok::schedule with another token count than this rank: expected the same "
+                       "tokens on every rank (T different across ranks; the schedule is poisoned until the next "
+                       "mok::schedule)");
+    }
     const std::string expected =
         kind == RoutingErrorKind::kBadId
             ? "an expert id in [0, " + std::to_string(shape.experts) + ")"

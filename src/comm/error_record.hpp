@@ -29,14 +29,15 @@ const char* wait_site_name(WaitSite site);
 // Routing errors are ordered by a 64-bit key so the reported one is the first bad entry of
 // the global table, whatever the thread timing: key = item << 33 | kind << 32 | uint32(value),
 // item = (src_rank * T + token) * K + k (< 2^30 by LayerShape::validate).
-enum class RoutingErrorKind : uint32_t { kBadId = 0, kDuplicate = 1 };
+// kTokenCount: another rank's call carries a different number of tokens.
+enum class RoutingErrorKind : uint32_t { kBadId = 0, kDuplicate = 1, kTokenCount = 2 };
 inline constexpr unsigned long long kNoRoutingError = ~0ull;
 // A non-finite router weight: key = (t * K + k) << 32 | the float's bits, the smallest entry of
 // this rank's topk_w [T, K] reported (atomicMin), whatever the thread timing.
 inline constexpr unsigned long long kNoWeightError = ~0ull;
 
 struct DeviceErrorRecord {
-  unsigned long long routing_key;  // kNoRoutingError, or the smallest bad entry's key
+  unsigned long long routing_key;  // kNoRoutingError, or the smallest bad entry's key: item << 34 | kind << 32 | value
   int32_t code;                    // mok::Status of the first other error (0 = none); CAS from 0
   int32_t site;                    // WaitSite for kTimeout
   int32_t rank;

@@ -29,7 +29,8 @@ struct ExchangeParams {
   PeerMap peers;
   size_t table_offset;   // layout.topk[parity]
   const int32_t* topk_idx;
-  int64_t entries;       // T*K of one rank
+  int64_t entries;       // Tc*K of one rank
+  int64_t slot_entries;  // T*K: the slot's size (kEndOfTokens at `entries` when smaller)
   GroupBarrier barrier;
   WaitContext wait;
 };
@@ -37,7 +38,7 @@ struct ExchangeParams {
 __global__ void __launch_bounds__(kThreads) exchange_kernel(const ExchangeParams p) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t slot_bytes = static_cast<size_t>(p.entries) * sizeof(int32_t);
+  const size_t slot_bytes = static_cast<size_t>(p.slot_entries) * sizeof(int32_t);
   const bool vector = (p.entries % 4 == 0) && (reinterpret_cast<uintptr_t>(p.topk_idx) % 16 == 0);
   for (int peer = 0; peer < p.peers.ep; ++peer) {
     char* dst = p.peers.base[peer] + p.table_offset + static_cast<size_t>(p.peers.rank) * slot_bytes;
@@ -49,6 +50,7 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const ExchangeParams
       int32_t* dst1 = reinterpret_cast<int32_t*>(dst);
       for (int64_t i = first; i < p.entries; i += stride) dst1[i] = p.topk_idx[i];
     }
+    if (first == 0 && p.entries < p.slot_entries) reinterpret_cast<int32_t*>(dst)[p.entries] = kEndOfTokens;
   }
   group_barrier(p.barrier, gridDim.x, p.peers, p.wait);
 }
@@ -65,22 +67,27 @@ struct KeyParams {
   unsigned long long* owner_rows;  // [ep] routed rows each rank receives (zeroed before)
   int ep;
   DeviceErrorRecord* error;
-  int64_t tokens;      // T per rank
+  int64_t tokens;      // T per rank (the table's slot stride)
+  int64_t call_tokens; // Tc: entries of tokens >= Tc are absent
   int32_t* token_key;  // [T] step 8
 };
 
 __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind kind, int32_t value) {
-  return (static_cast<unsigned long long>(item) << 33) |
+  return (static_cast<unsigned long long>(item) << 34) |
          (static_cast<unsigned long long>(kind) << 32) | static_cast<uint32_t>(value);
 }
 
 __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owner_count) {
   const int32_t id = p.table[i];
   const int k = static_cast<int>(i % p.topk);
-  bool ok = id >= 0 && id < p.experts;
-  if (!ok) {
+  const int64_t slot_entries = p.tokens * p.topk, in_slot = i % slot_entries;
+  const bool present = in_slot < p.call_tokens * p.topk;
+  bool ok = present && id >= 0 && id < p.experts;
+  if (present && id == kEndOfTokens) {
+    atomicMin(&p.error->routing_key, routing_key(i, RoutingErrorKind::kTokenCount, id));  // that rank has fewer
+  } else if (present && !ok) {
     atomicMin(&p.error->routing_key, routing_key(i, RoutingErrorKind::kBadId, id));
-  } else {
+  } else if (present) {
     for (int j = 0; j < k; ++j) {
       if (p.table[i - k + j] == id) {
         atomicMin(&p.error->routing_key, routing_key(i, RoutingErrorKind::kDuplicate, id));
@@ -88,6 +95,8 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
         break;
       }
     }
+  } else if (in_slot == p.call_tokens * p.topk && id != kEndOfTokens) {
+    atomicMin(&p.error->routing_key, routing_key(i, RoutingErrorKind::kTokenCount, id));  // that rank has more
   }
   const int64_t owner = ok ? id / p.local_experts : -1;
   if (ok) atomicAdd(&owner_count[owner], 1u);
@@ -95,13 +104,17 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
                               : static_cast<uint32_t>(p.local_experts);
   p.vals[i] = static_cast<uint32_t>(i);
   // Step 9: the entry k = 0 of each of this rank's tokens keys the token (ids out of range
-  // count as 0; such a schedule is poisoned and the keys are never used).
-  const int64_t own0 = static_cast<int64_t>(p.rank) * p.tokens * p.topk;
-  if (k == 0 && i >= own0 && i < own0 + p.tokens * p.topk) {
-    int32_t key = 0;
-    for (int j = 0; j < p.topk; ++j) {
-      const int32_t e = p.table[i + j];
-      if (e >= 0 && e < p.experts) key = max(key, static_cast<int32_t>(e % p.local_experts));
+  // count as 0; such a schedule is poisoned and the keys are never used). Absent tokens key
+  // E_local: the stable sort puts them after every present token.
+  const int64_t own0 = static_cast<int64_t>(p.rank) * slot_entries;
+  if (k == 0 && i >= own0 && i < own0 + slot_entries) {
+    int32_t key = static_cast<int32_t>(p.local_experts);
+    if (present) {
+      key = 0;
+      for (int j = 0; j < p.topk; ++j) {
+        const int32_t e = p.table[i + j];
+        if (e >= 0 && e < p.experts) key = max(key, static_cast<int32_t>(e % p.local_experts));
+      }
     }
     p.token_key[(i - own0) / p.topk] = key;
   }
@@ -344,11 +357,13 @@ ScheduleBuffers::ScheduleBuffers(const LayerShape& shape, const Config& config)
       vals_out(dest_row.size()),
       owner_rows(shape.ep) {
   buffer_rows = config.buffer_rows_per_rank(shape);
+  call_tokens = shape.tokens;
   minibatch = config.effective_minibatch(shape);
   max_minibatches = ceil_div(buffer_rows, minibatch);
   entries = static_cast<int64_t>(dest_row.size());
   key_bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(shape.local_experts()))));
-  token_key_bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(shape.local_experts() - 1))));
+  // keys 0..E_local (E_local: an absent token of a shorter call)
+  token_key_bits = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(shape.local_experts()))));
   size_t temp_bytes = 0;
   MOK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in.get(), keys_out.get(), vals_in.get(),
                                                  vals_out.get(), entries, 0, key_bits));
@@ -391,15 +406,20 @@ ScheduleView ScheduleBuffers::view() const {
   v.buffer_rows = buffer_rows;
   v.minibatch = minibatch;
   v.max_minibatches = max_minibatches;
+  v.tokens = call_tokens;
   return v;
 }
 
 void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t stream) {
   const LayerShape& s = l.shape;
-  const int64_t per_rank = s.tokens * s.topk;
+  if (l.tokens < 1 || l.tokens > s.tokens) {
+    throw_invalid("tokens", "1 <= tokens <= LayerShape.tokens (" + std::to_string(s.tokens) + ")", std::to_string(l.tokens));
+  }
+  const int64_t per_rank = l.tokens * s.topk;
   const int rank = l.peers.rank;
+  b.call_tokens = l.tokens;
 
-  ExchangeParams ex{l.peers, l.layout.topk[l.parity], l.topk_idx, per_rank, l.barrier, l.wait};
+  ExchangeParams ex{l.peers, l.layout.topk[l.parity], l.topk_idx, per_rank, s.tokens * s.topk, l.barrier, l.wait};
   const unsigned ex_ctas = static_cast<unsigned>(std::min<int64_t>(ceil_div(per_rank, kThreads * 4), kMaxExchangeCtas));
   exchange_kernel<<<std::max(ex_ctas, 1u), kThreads, 0, stream>>>(ex);
   MOK_CUDA_CHECK(cudaGetLastError());
@@ -408,7 +428,7 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   MOK_CUDA_CHECK(cudaMemsetAsync(b.owner_rows.get(), 0, b.owner_rows.bytes(), stream));
   KeyParams kp{table, b.entries, s.topk, s.experts, s.local_experts(), rank,
                b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error,
-               s.tokens, b.token_key.get()};
+               s.tokens, l.tokens, b.token_key.get()};
   key_kernel<<<grid_for(b.entries, kThreads), kThreads, 0, stream>>>(kp);
   MOK_CUDA_CHECK(cudaGetLastError());
 

@@ -2,8 +2,10 @@
 // mok::ref::make_schedule (src/reference/schedule.hpp) for this rank.
 //
 // Steps, all on the stream, no host sync:
-//   1. exchange: this rank's topk_idx [T, K] is written into slot `rank` of every peer's
-//      routing table (symmetric window), then a phase barrier;
+//   1. exchange: this rank's topk_idx [Tc, K] (Tc <= T: this call's tokens, the same on every
+//      rank) is written into slot `rank` of every peer's routing table (symmetric window), with
+//      kEndOfTokens after it when Tc < T, then a phase barrier; entries of tokens >= Tc are
+//      absent: never validated, counted or routed (a rank whose Tc differs is an error);
 //   2. keys: every entry of the global table [ep*T*K] is checked (id in [0, E), no expert twice
 //      in a token) and keyed by its local expert (E_local for entries owned by other ranks);
 //   3. a stable CUB radix sort of (key, entry index): entries of each local expert end up in
@@ -73,7 +75,11 @@ struct ScheduleView {
   int64_t buffer_rows = 0;
   int64_t minibatch = 0;                   // rows per minibatch (a multiple of kRowTile)
   int64_t max_minibatches = 0;
+  int64_t tokens = 0;                      // this call's tokens per rank (Tc <= LayerShape::tokens)
 };
+
+// Written after a rank's last entry when it calls with fewer tokens than the workspace's T.
+inline constexpr int32_t kEndOfTokens = INT32_MIN;
 
 // Device memory of one rank's schedule, sized once at workspace creation.
 class ScheduleBuffers {
@@ -94,6 +100,7 @@ class ScheduleBuffers {
   DeviceBuffer<unsigned long long> owner_rows;  // [ep] routed rows of every rank (capacity check)
   DeviceBuffer<unsigned char> sort_temp;
   int64_t buffer_rows = 0, minibatch = 0, max_minibatches = 0, entries = 0;
+  int64_t call_tokens = 0;  // Tc of the last launch_schedule (ScheduleView::tokens)
   int key_bits = 1;
 };
 
@@ -101,7 +108,8 @@ struct ScheduleLaunch {
   LayerShape shape;
   PeerMap peers;
   SymmetricLayout layout;
-  const int32_t* topk_idx = nullptr;  // this rank's [T, K], device
+  const int32_t* topk_idx = nullptr;  // this rank's [tokens, K], device
+  int64_t tokens = 0;                 // Tc: this call's tokens, 1..shape.tokens
   int parity = 0;                     // routing-table buffer of this pass (alternates)
   int64_t max_rows = 0;               // Config::max_rows_per_rank (real rows)
   GroupBarrier barrier;               // the exchange barrier

@@ -21,7 +21,7 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   const int64_t R = a.seg.buffer_rows, H = a.hidden, I = a.intermediate, E = a.seg.experts;
   DgradHiddenParams p;
   p.dys = host::map_bf16(a.dys, 0, R, H, 64, 128, "dys");
-  p.w_down = host::map_bf16(a.w_down, E, H, I, 64, 64, "w_down");
+  p.w_down = host::map_bf16(a.w_down, E, H, I, 64, 64, "w_down", a.w_down_stride);
   p.dg = host::map_bf16(a.dg, 0, R, I, 64, 64, "dg");
   p.du = host::map_bf16(a.du, 0, R, I, 64, 64, "du");
   p.g = a.g;
@@ -57,8 +57,8 @@ void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t str
   DgradInputParams p;
   p.dg = host::map_bf16(a.dg, 0, R, I, 64, 128, "dg");
   p.du = host::map_bf16(a.du, 0, R, I, 64, 128, "du");
-  p.w_gate = host::map_bf16(a.w_gate, E, I, H, 64, 64, "w_gate");
-  p.w_up = host::map_bf16(a.w_up, E, I, H, 64, 64, "w_up");
+  p.w_gate = host::map_bf16(a.w_gate, E, I, H, 64, 64, "w_gate", a.w_gate_stride);
+  p.w_up = host::map_bf16(a.w_up, E, I, H, 64, 64, "w_up", a.w_up_stride);
   p.dx = host::map_bf16(a.dx, 0, R, H, 64, 64, "dx");
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(2 * I / 64);

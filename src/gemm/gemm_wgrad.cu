@@ -51,13 +51,18 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
     host::check_pointer((name + ".b").c_str(), pr.b);
     host::check_pointer((name + ".out").c_str(), pr.out);
     if (pr.partial_in != nullptr) host::check_pointer((name + ".partial_in").c_str(), pr.partial_in);
+    if (pr.out_stride != 0 && (a.mode == WgradOut::kPartialFp32 || pr.out_stride < pr.m * pr.n || pr.out_stride % 8 != 0)) {
+      throw_invalid((name + ".out_stride").c_str(),
+                    "0, or (kWriteBf16 / kAccumulateFp32) a multiple of 8 >= m*n = " + std::to_string(pr.m * pr.n),
+                    std::to_string(pr.out_stride));
+    }
     WgradProblemParams& kp = p.problems[q];
     kp.a = host::map_bf16(pr.a, 0, R, pr.m, 64, 64, "wgrad a");
     kp.b = host::map_bf16(pr.b, 0, R, pr.n, 64, 64, "wgrad b");
     if (a.mode == WgradOut::kWriteBf16) {
-      kp.out = host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out");
+      kp.out = host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out", pr.out_stride);
     } else if (a.mode == WgradOut::kAccumulateFp32) {
-      kp.out = host::map_f32(pr.out, E, pr.m, pr.n, 32, 64, "wgrad main grad");  // TMA reduce-add boxes
+      kp.out = host::map_f32(pr.out, E, pr.m, pr.n, 32, 64, "wgrad main grad", pr.out_stride);  // TMA reduce-add boxes
     } else {
       kp.out = kp.b;  // unused: kPartialFp32 stores through out_ptr
     }

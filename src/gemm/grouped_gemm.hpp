@@ -51,6 +51,7 @@ struct Gemm1SwigluArgs {
   bf16* h = nullptr;
   bf16* g = nullptr;
   bf16* u = nullptr;
+  int64_t w_gate_stride = 0, w_up_stride = 0;  // elements from expert e to e+1; 0 = I*H
 };
 
 // GEMM 2 (forward): out[r] = bf16(h[r] . W_down[e]^T). h [buffer_rows, I]; W_down [E, H, I];
@@ -61,6 +62,7 @@ struct Gemm2Args {
   const bf16* h = nullptr;
   const bf16* w_down = nullptr;
   bf16* out = nullptr;
+  int64_t w_down_stride = 0;  // elements from expert e to e+1; 0 = H*I
 };
 
 // dgrad of GEMM 2 with the SwiGLU backward fused (docs/numerics.md Backward): per row r,
@@ -83,6 +85,7 @@ struct DgradHiddenArgs {
   bf16* du = nullptr;
   const float* row_w = nullptr;
   float* dw_part = nullptr;
+  int64_t w_down_stride = 0;  // elements from expert e to e+1; 0 = H*I
 };
 // Column tiles of the dh GEMM: the second dimension of DgradHiddenArgs::dw_part.
 inline int64_t dgrad_hidden_col_tiles(int64_t intermediate) { return (intermediate + 255) / 256; }
@@ -98,6 +101,7 @@ struct DgradInputArgs {
   const bf16* w_gate = nullptr;
   const bf16* w_up = nullptr;
   bf16* dx = nullptr;
+  int64_t w_gate_stride = 0, w_up_stride = 0;  // elements from expert e to e+1; 0 = I*H
 };
 
 // wgrad, K-grouped: dW[e] [M, N] = sum over the expert's rows r (in row order) of
@@ -120,6 +124,9 @@ struct WgradProblem {
   int64_t m = 0, n = 0;
   const float* partial_in = nullptr;  // float [E, m, n] seeding the sums, or nullptr = zeros
   void* out = nullptr;                // see WgradOut; may alias partial_in
+  // Elements from expert e's [m, n] block of `out` to e+1's; 0 = m*n. kWriteBf16 and
+  // kAccumulateFp32 only (partials stay dense).
+  int64_t out_stride = 0;
 };
 
 inline constexpr int kMaxWgradProblemsPerCall = 3;

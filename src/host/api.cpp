@@ -30,9 +30,6 @@ void check_expert_stride(const char* argument, int64_t stride, int64_t dense) {
   if (stride != 0 && (stride < dense || stride % 8 != 0)) {
     throw_invalid(argument, "0 (dense) or a multiple of 8 elements >= " + std::to_string(dense), std::to_string(stride));
   }
-  if (stride != 0 && stride != dense) {
-    throw Error(Status::kNotImplemented, std::string(argument) + ": expert strides other than the dense one");
-  }
 }
 
 void check_forward_args(const Workspace& ws, const ForwardArgs& args, const ExpertWeights& w) {
@@ -94,6 +91,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
   }
   megakernel::save_schedule(*impl.state, *impl.forward, ctx.layout, ctx.base, stream);
+  ctx.saved.schedule.tokens = impl.state->view().tokens;  // the call's T: its backward's buffers
   ctx.state = Context::Impl::State::kSaved;
   ctx.complete = keep;
   impl.last_stream = stream;

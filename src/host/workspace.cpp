@@ -169,13 +169,10 @@ void schedule(Workspace& ws, const int32_t* topk_idx, int64_t tokens, cudaStream
   if (tokens < 1 || tokens > T) {
     throw_invalid("tokens", "1 <= tokens <= LayerShape.tokens (" + std::to_string(T) + ")", std::to_string(tokens));
   }
-  if (tokens != T) {
-    throw Error(Status::kNotImplemented, "mok::schedule: calls with fewer tokens than the workspace's LayerShape.tokens");
-  }
   if (topk_idx == nullptr) throw_invalid("topk_idx", "a device pointer to [T, K] int32 expert ids", "nullptr");
   Workspace::Impl& impl = ws.impl();
   DeviceGuard guard(impl.device);
-  impl.state->schedule(topk_idx, stream);
+  impl.state->schedule(topk_idx, tokens, stream);
   impl.last_stream = stream;
 }
 

@@ -223,12 +223,13 @@ int resolve_join_gemm(const Plan& plan, const LayerShape& s) {
 
 gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf16* gate, const bf16* up,
                                          int64_t experts, bf16* h, bf16* g, bf16* u, int64_t out_rows, int64_t H,
-                                         int64_t I, const gemm::ErrorSink& err) {
+                                         int64_t I, const gemm::ErrorSink& err, int64_t gate_stride = 0,
+                                         int64_t up_stride = 0) {
   using gemm::host::map_bf16;
   gemm::Gemm1SwigluParams p{};
   p.x = map_bf16(x, 0, x_rows, H, 64, 128, "x");
-  p.w_gate = map_bf16(gate, experts, I, H, 64, 128, "w_gate");
-  p.w_up = map_bf16(up, experts, I, H, 64, 128, "w_up");
+  p.w_gate = map_bf16(gate, experts, I, H, 64, 128, "w_gate", gate_stride);
+  p.w_up = map_bf16(up, experts, I, H, 64, 128, "w_up", up_stride);
   p.h = map_bf16(h, 0, out_rows, I, 64, 64, "h");
   p.g = map_bf16(g, 0, out_rows, I, 64, 64, "g");
   p.u = map_bf16(u, 0, out_rows, I, 64, 64, "u");
@@ -239,11 +240,12 @@ gemm::Gemm1SwigluParams gemm1_params_for(const bf16* x, int64_t x_rows, const bf
 }
 
 gemm::Gemm2Params gemm2_params_for(const bf16* h, int64_t h_rows, const bf16* down, int64_t experts, bf16* out,
-                                   int64_t out_rows, int64_t H, int64_t I, const gemm::ErrorSink& err) {
+                                   int64_t out_rows, int64_t H, int64_t I, const gemm::ErrorSink& err,
+                                   int64_t down_stride = 0) {
   using gemm::host::map_bf16;
   gemm::Gemm2Params p{};
   p.h = map_bf16(h, 0, h_rows, I, 64, 128, "h");
-  p.w_down = map_bf16(down, experts, H, I, 64, 128, "w_down");
+  p.w_down = map_bf16(down, experts, H, I, 64, 128, "w_down", down_stride);
   p.out = map_bf16(out, 0, out_rows, H, 64, 64, "out");
   p.k_steps = static_cast<int>(I / 64);
   p.hidden = static_cast<int>(H);
@@ -297,7 +299,7 @@ Plan make_plan(const comm::CommState& state, const ForwardBuffers& b, const Forw
     // The fan-out's front-loaded first quarter of the routed rows is also dispatched by the GEMM
     // CTAs when no shared expert hides the first minibatch's dispatch (they have nothing else to
     // do until it landed), else nothing.
-    plan.help_rows = s.has_shared() ? 0 : s.tokens * s.topk / 4;
+    plan.help_rows = s.has_shared() ? 0 : state.view().tokens * s.topk / 4;
   }
   plan.join = resolve_join_gemm(plan, s);
   // At EP 1 no peer reads the window's copy of x: the dispatch reads the caller's x itself
@@ -318,9 +320,11 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   // g, u into the layer's context; with the ring into the ring's slots (backward recomputes the rest)
   bf16* const g = b.ring() ? b.g.get() : save.g;
   bf16* const u = b.ring() ? b.u.get() : save.u;
-  p.routed1 = gemm1_params_for(state.row_buffer(), resident, w.gate, w.up, E, b.h.get(), g, u, resident, H, I, err);
+  p.routed1 = gemm1_params_for(state.row_buffer(), resident, w.gate, w.up, E, b.h.get(), g, u, resident, H, I, err,
+                               w.gate_expert_stride, w.up_expert_stride);
   // (with the ring expert_out is one row tile that no store reaches: every row is pushed)
-  p.routed2 = gemm2_params_for(b.h.get(), resident, w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err);
+  p.routed2 = gemm2_params_for(b.h.get(), resident, w.down, E, b.expert_out.get(), b.ring() ? kRowTile : R, H, I, err,
+                               w.down_expert_stride);
   p.ring_tiles = b.ring() ? static_cast<int>(resident / kRowTile) : 0;
   p.routed1.sched.offsets = b.seg_offsets.get();  // expert_of / real rows of a routed row tile
   p.routed1.sched.rows = b.seg_rows.get();
@@ -330,9 +334,9 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.routed1.sched.cluster = 1;
   if (s.has_shared()) {
     gemm::host::check_pointer("ForwardArgs.x", args.x);
-    // x itself is the shared expert's row operand: TMA reads rows past T as zeros, exactly
-    // the zero padding rows of the staged forward's copy.
-    p.shared1 = gemm1_params_for(args.x, s.tokens, w.shared_gate, w.shared_up, 1, b.shared_h.get(), save.shared_g,
+    // x itself is the shared expert's row operand: TMA reads rows past this call's T as zeros,
+    // exactly the zero padding rows of the staged forward's copy.
+    p.shared1 = gemm1_params_for(args.x, state.view().tokens, w.shared_gate, w.shared_up, 1, b.shared_h.get(), save.shared_g,
                                  save.shared_u, b.shared_rows, H, S, err);
     p.shared2 = gemm2_params_for(b.shared_h.get(), b.shared_rows, w.shared_down, 1, b.shared_out.get(), b.shared_rows,
                                  H, S, err);
@@ -343,7 +347,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   p.tasks.n2 = static_cast<int>(ceil_div(H, 256));
   p.tasks.tiles_per_minibatch = static_cast<int>(state.view().minibatch / kRowTile);
   p.tasks.group_m = gemm::kGroupM;
-  p.shared_tokens = static_cast<int>(s.tokens);
+  p.shared_tokens = static_cast<int>(state.view().tokens);
   p.experts = static_cast<int>(E);
   const int64_t shared_tiles = b.shared_rows / kRowTile, routed_tiles = R / kRowTile;
   p.s1_done = b.tile_counters.get();
@@ -387,7 +391,7 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     t.on = true;
     t.header = p.view.header;
     t.token_order = p.view.token_order;
-    t.tokens = s.tokens;
+    t.tokens = state.view().tokens;  // token_order puts the absent tokens of a shorter call last
     t.hidden = H;
     t.topk = static_cast<int>(s.topk);
     t.topk_w = args.topk_w;
@@ -523,9 +527,10 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   MOK_FWD_TRACE(const trace::Sink sink =
                     trace_begin(grid, o.comm_ctas, o.fused_topk_sum ? state.shape().tokens : 0, stream);)
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
-  check_router_weights(state, args.topk_w, stream);
+  const int64_t T = state.view().tokens;  // this call's tokens
+  check_router_weights(state, args.topk_w, T, stream);
   convert_segments(state, b, stream);
-  if (!plan.x_in_place) state.stage_x(args.x, stream);
+  if (!plan.x_in_place) state.stage_x(args.x, T, stream);
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
@@ -544,7 +549,7 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
     state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr,
                    plan.own_rows_in_place ? b.expert_out.get() : nullptr, args.y, stream);
   }
-  poison_y_on_error(state, args.y, stream);
+  poison_y_on_error(state, args.y, T, stream);
   MOK_FWD_TRACE(trace_event(3, stream);)
 }
 

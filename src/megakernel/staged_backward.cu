@@ -147,9 +147,6 @@ void check_grads(const LayerShape& s, const WeightGrads& g) {
     if (stride != 0 && (stride < IH || stride % 8 != 0)) {
       throw_invalid(argument, "0 (dense) or a multiple of 8 elements >= " + std::to_string(IH), std::to_string(stride));
     }
-    if (stride != 0 && stride != IH) {
-      throw Error(Status::kNotImplemented, std::string(argument) + ": expert strides other than the dense one");
-    }
   }
 }
 
@@ -166,7 +163,9 @@ void run_gemm1(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd
                        launch, stream);
   }
   const gemm::Segments seg{out.seg_offsets, out.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
-  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, x_rows, w.gate, w.up, bwd.hs.get(), out.g, out.u}, launch, stream);
+  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, x_rows, w.gate, w.up, bwd.hs.get(), out.g, out.u,
+                      w.gate_expert_stride, w.up_expert_stride},
+                     launch, stream);
 }
 
 }  // namespace
@@ -176,11 +175,8 @@ void recompute_activations(comm::CommState& state, ForwardBuffers& fwd, Backward
                            const StagedBackwardOptions& o, cudaStream_t stream) {
   const LayerShape& s = state.shape();
   const comm::ScheduleView& v = saved.schedule;
-  state.stage_x(x, stream);
-  if (s.has_shared()) {
-    MOK_CUDA_CHECK(cudaMemcpyAsync(fwd.shared_x.get(), x, s.tokens * s.hidden * sizeof(bf16), cudaMemcpyDeviceToDevice,
-                                   stream));
-  }
+  state.stage_x(x, v.tokens, stream);
+  stage_shared_rows(fwd, s.has_shared() ? fwd.shared_x.get() : nullptr, x, v.tokens, s.hidden, stream);
   bf16* const x_rows = x_rows_of(state, bwd);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, state.layout().x, x_rows), stream);
   run_gemm1(state, fwd, bwd, out, x_rows, w, o, stream);
@@ -237,7 +233,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   if (parts & (kSharedWgrad | kRoutedWgrad)) check_grads(s, grads);
   const GradInputs out = into != nullptr ? *into : GradInputs::scratch(bwd);
   const comm::ScheduleView& v = saved.schedule;
-  const int64_t T = s.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;
+  const int64_t T = v.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;  // this call's T
   const int64_t R = bwd.buffer_rows;
   const gemm::Launch launch = gemm_launch(fwd, o);
   const gemm::WgradOut mode = wgrad_out(grads.mode);
@@ -281,17 +277,21 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
     MOK_CUDA_CHECK(cudaGetLastError());
   }
   gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, out.dg, out.du};
+  dh.w_down_stride = w.down_expert_stride;
   dh.row_w = bwd.row_w.get();
   dh.dw_part = bwd.dw_part.get();
   if (parts & kRoutedDh) gemm::dgrad_hidden_swiglu(dh, launch, stream);
-  if (parts & kRoutedDx) gemm::dgrad_input({seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get()}, launch, stream);
+  if (parts & kRoutedDx) {
+    gemm::dgrad_input({seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get(), w.gate_expert_stride, w.up_expert_stride},
+                      launch, stream);
+  }
   gemm::WgradArgs wa;
   wa.seg = seg;
   wa.mode = mode;
-  wa.problems[0] = {bwd.dy_rows.get(), out.hs, H, I, nullptr, grads.down};
+  wa.problems[0] = {bwd.dy_rows.get(), out.hs, H, I, nullptr, grads.down, grads.down_expert_stride};
   bf16* const x_rows = x_rows_of(state, bwd);
-  wa.problems[1] = {out.dg, x_rows, I, H, nullptr, grads.gate};
-  wa.problems[2] = {out.du, x_rows, I, H, nullptr, grads.up};
+  wa.problems[1] = {out.dg, x_rows, I, H, nullptr, grads.gate, grads.gate_expert_stride};
+  wa.problems[2] = {out.du, x_rows, I, H, nullptr, grads.up, grads.up_expert_stride};
   wa.num_problems = 3;
   if (parts & kRoutedWgrad) gemm::wgrad(wa, launch, stream);
 }
@@ -304,17 +304,16 @@ void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
                     const BackwardArgs& args, const StagedBackwardOptions& o, bool weights, cudaStream_t stream) {
   const LayerShape& s = state.shape();
   const comm::SymmetricLayout& layout = state.layout();
-  const int64_t T = s.tokens, H = s.hidden, K = s.topk, R = bwd.buffer_rows;
-  state.stage_x(args.x, stream);
+  const int64_t T = v.tokens, H = s.hidden, K = s.topk, R = bwd.buffer_rows;  // this call's T
+  state.stage_x(args.x, T, stream);
   MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
   if (weights) {
     MOK_CUDA_CHECK(cudaMemcpyAsync(state.topk_w_staging(), args.topk_w, T * K * sizeof(float),
                                    cudaMemcpyDeviceToDevice, stream));
   }
-  if (s.has_shared()) {
-    MOK_CUDA_CHECK(cudaMemcpyAsync(fwd.shared_x.get(), args.x, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-    MOK_CUDA_CHECK(cudaMemcpyAsync(bwd.shared_dy.get(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
-  }
+  // The shared expert's segment: T real rows (set per call: another layer may have run another T).
+  stage_shared_rows(fwd, s.has_shared() ? fwd.shared_x.get() : nullptr, args.x, T, H, stream);
+  if (s.has_shared()) stage_shared_rows(fwd, bwd.shared_dy.get(), args.dy, T, H, stream);
   bf16* const x_rows = x_rows_of(state, bwd);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows), stream);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);
@@ -347,12 +346,12 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
   if (defer == nullptr) check_grads(s, grads);  // before anything is enqueued
   const comm::ScheduleView& v = saved.schedule;
   const comm::SymmetricLayout& layout = state.layout();
-  const int64_t T = s.tokens, H = s.hidden, K = s.topk;
+  const int64_t T = v.tokens, H = s.hidden, K = s.topk;  // this call's T (the forward's)
   const int64_t R = bwd.buffer_rows;
 
   // Stage x, dy and the router weights where the rows' holders read them; pull the x rows (for
   // the gate/up weight gradients) and dy rows over the forward's routing table.
-  check_router_weights(state, args.topk_w, stream);
+  check_router_weights(state, args.topk_w, T, stream);
   stage_and_pull(state, fwd, bwd, v, args, o, /*weights=*/true, stream);
   bf16* const x_rows = x_rows_of(state, bwd);
 

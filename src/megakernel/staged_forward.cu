@@ -43,6 +43,8 @@ __global__ void check_weights_kernel(const float* topk_w, int64_t n, comm::Devic
   }
 }
 
+__global__ void set_word(int32_t* word, int32_t value) { *word = value; }
+
 gemm::Launch gemm_launch(ForwardBuffers& b, const StagedForwardOptions& o) {
   gemm::Launch l;
   l.grid = o.gemm_grid;
@@ -64,8 +66,11 @@ void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeight
   }
   const gemm::Segments seg{b.seg_offsets.get(), b.seg_rows.get(), static_cast<int>(s.local_experts()),
                            b.buffer_rows};
-  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), save.g, save.u}, launch, stream);
-  gemm::gemm2({seg, s.hidden, s.intermediate, b.h.get(), w.down, b.expert_out.get()}, launch, stream);
+  gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), save.g, save.u,
+                      w.gate_expert_stride, w.up_expert_stride},
+                     launch, stream);
+  gemm::gemm2({seg, s.hidden, s.intermediate, b.h.get(), w.down, b.expert_out.get(), w.down_expert_stride}, launch,
+              stream);
 }
 
 }  // namespace
@@ -129,17 +134,28 @@ void convert_segments(comm::CommState& state, ForwardBuffers& b, cudaStream_t st
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
-void check_router_weights(comm::CommState& state, const float* topk_w, cudaStream_t stream) {
+void stage_shared_rows(ForwardBuffers& b, bf16* dst, const bf16* src, int64_t tokens, int64_t hidden,
+                       cudaStream_t stream) {
+  // A kernel, not a host-to-device copy: stream-ordered and capturable into a CUDA graph.
+  set_word<<<1, 1, 0, stream>>>(b.shared_rows_dev.get(), static_cast<int32_t>(tokens));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (dst == nullptr) return;
+  const size_t row = static_cast<size_t>(hidden) * sizeof(bf16);
+  MOK_CUDA_CHECK(cudaMemcpyAsync(dst, src, tokens * row, cudaMemcpyDeviceToDevice, stream));
+  if (tokens < b.shared_rows) MOK_CUDA_CHECK(cudaMemsetAsync(dst + tokens * hidden, 0, (b.shared_rows - tokens) * row, stream));
+}
+
+void check_router_weights(comm::CommState& state, const float* topk_w, int64_t tokens, cudaStream_t stream) {
   const LayerShape& s = state.shape();
-  const int64_t n = s.tokens * s.topk;
+  const int64_t n = tokens * s.topk;
   check_weights_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 256)), 256, 0, stream>>>(
       topk_w, n, state.error_record());
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
-void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream) {
+void poison_y_on_error(comm::CommState& state, bf16* y, int64_t tokens, cudaStream_t stream) {
   const LayerShape& s = state.shape();
-  const int64_t vecs = s.tokens * s.hidden * 2 / 16;
+  const int64_t vecs = tokens * s.hidden * 2 / 16;
   poison_if_failed<<<static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 1024)), 256, 0, stream>>>(
       state.view().header, state.error_record(), reinterpret_cast<uint4*>(y), vecs);
   MOK_CUDA_CHECK(cudaGetLastError());
@@ -149,18 +165,16 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
                     const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
   refuse_ring(state, b, "the staged forward");
   const LayerShape& s = state.shape();
-  check_router_weights(state, args.topk_w, stream);
+  const int64_t T = state.view().tokens;  // this call's tokens
+  check_router_weights(state, args.topk_w, T, stream);
   convert_segments(state, b, stream);
-  state.stage_x(args.x, stream);
-  if (s.has_shared()) {
-    MOK_CUDA_CHECK(cudaMemcpyAsync(b.shared_x.get(), args.x, s.tokens * s.hidden * sizeof(bf16),
-                                   cudaMemcpyDeviceToDevice, stream));
-  }
+  state.stage_x(args.x, T, stream);
+  stage_shared_rows(b, s.has_shared() ? b.shared_x.get() : nullptr, args.x, T, s.hidden, stream);
   state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
   run_expert_gemms(s, b, w, state.row_buffer(), o, save, stream);
   state.combine(b.expert_out.get(), o.combine_ctas, /*own_rows_in_place=*/true, stream);
   state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, b.expert_out.get(), args.y, stream);
-  poison_y_on_error(state, args.y, stream);
+  poison_y_on_error(state, args.y, T, stream);
 }
 
 void check_gemm_errors(ForwardBuffers& b, cudaStream_t stream) {

@@ -79,10 +79,15 @@ int64_t resident_tile(const ForwardBuffers& buffers, int64_t tile, int64_t padde
 void convert_segments(comm::CommState& state, ForwardBuffers& buffers, cudaStream_t stream);
 // Records the first non-finite entry of topk_w [T, K] in the error record (poison_y_on_error
 // then poisons y; Workspace::check() throws kInvalidArgument naming it).
-void check_router_weights(comm::CommState& state, const float* topk_w, cudaStream_t stream);
+void check_router_weights(comm::CommState& state, const float* topk_w, int64_t tokens, cudaStream_t stream);
+// A call of `tokens` (<= T) tokens: the shared expert's segment gets that many real rows, and its
+// row operand `dst` ([shared_rows, H]: ForwardBuffers::shared_x, BackwardBuffers::shared_dy) the
+// rows of `src` [tokens, H] with zero rows after them (the zero padding rows the GEMMs expect).
+void stage_shared_rows(ForwardBuffers& buffers, bf16* dst, const bf16* src, int64_t tokens, int64_t hidden,
+                       cudaStream_t stream);
 // y = NaN (0xFFFF) when the schedule was poisoned, a router weight was not finite or a wait of
 // this rank timed out: never silently wrong (Workspace::check() throws the reason).
-void poison_y_on_error(comm::CommState& state, bf16* y, cudaStream_t stream);
+void poison_y_on_error(comm::CommState& state, bf16* y, int64_t tokens, cudaStream_t stream);
 
 // Throws the first GEMM error recorded since the last call (after synchronising `stream`).
 void check_gemm_errors(ForwardBuffers& buffers, cudaStream_t stream);

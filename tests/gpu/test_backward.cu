@@ -66,6 +66,7 @@ std::vector<std::vector<uint16_t>> make_dy(const LayerShape& s, uint64_t seed) {
 
 // One rank's backward outputs as host vectors.
 struct RankGrads {
+  std::vector<uint16_t> y;  // the forward's output
   std::vector<uint16_t> dx;
   std::vector<float> dtopk_w;
   // routed [E_local, ...] and shared; accumulate mode: the buffer minus its starting value (a
@@ -121,8 +122,48 @@ struct GradBuffers {
     }
   }
   WeightGrads grads() {
-    return WeightGrads{mode, gate.get(), up.get(), down.get(), sgate.bytes() ? sgate.get() : nullptr,
-                       sup.bytes() ? sup.get() : nullptr, sdown.bytes() ? sdown.get() : nullptr};
+    WeightGrads g{mode, gate.get(), up.get(), down.get(), sgate.bytes() ? sgate.get() : nullptr,
+                  sup.bytes() ? sup.get() : nullptr, sdown.bytes() ? sdown.get() : nullptr};
+    if (strided) {
+      g.gate = gate_up.get();
+      g.up = gate_up.get() + per * el();
+      g.down = down_padded.get();
+      g.gate_expert_stride = g.up_expert_stride = int64_t(2 * per);
+      g.down_expert_stride = int64_t(per + kDownPad);
+    }
+    return g;
+  }
+  // Hugging Face's layout for the routed gradients: gate and up interleaved per expert in one
+  // [E, 2I, H] buffer, down with a padded expert stride. The dense buffers stay the test's view:
+  // to_strided() copies them in before the pass, from_strided() back after it.
+  static constexpr size_t kDownPad = 64;
+  bool strided = false;
+  size_t per = 0, experts = 0;
+  comm::DeviceBuffer<char> gate_up, down_padded;
+  size_t el() const { return mode == GradMode::kWriteBf16 ? 2 : 4; }
+  void use_strided(const LayerShape& s) {
+    strided = true;
+    per = size_t(s.intermediate) * s.hidden;
+    experts = size_t(s.local_experts());
+    gate_up = comm::DeviceBuffer<char>(experts * 2 * per * el());
+    down_padded = comm::DeviceBuffer<char>(experts * (per + kDownPad) * el());
+    MOK_CUDA_CHECK(cudaMemset(gate_up.get(), 0xFF, gate_up.bytes()));
+    MOK_CUDA_CHECK(cudaMemset(down_padded.get(), 0xFF, down_padded.bytes()));
+  }
+  void copy_layout(bool in, cudaStream_t st) {
+    if (!strided) return;
+    const size_t w = per * el();
+    auto copy = [&](char* strided_p, size_t pitch, char* dense_p) {
+      if (in) {
+        MOK_CUDA_CHECK(cudaMemcpy2DAsync(strided_p, pitch, dense_p, w, w, experts, cudaMemcpyDeviceToDevice, st));
+      } else {
+        MOK_CUDA_CHECK(cudaMemcpy2DAsync(dense_p, w, strided_p, pitch, w, experts, cudaMemcpyDeviceToDevice, st));
+      }
+    };
+    copy(gate_up.get(), 2 * w, gate.get());
+    copy(gate_up.get() + w, 2 * w, up.get());
+    copy(down_padded.get(), (per + kDownPad) * el(), down.get());
+    MOK_CUDA_CHECK(cudaStreamSynchronize(st));
   }
   // The pass's gradient: write mode: the bf16 values; accumulate mode: buffer - base (the added sums
   // up to one fp32 rounding of the add, exact where |base| is small against the sum).
@@ -172,7 +213,7 @@ bool same_f32(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
 }
 bool same_grads(const RankGrads& a, const RankGrads& b) {
-  return a.dx == b.dx && same_f32(a.dtopk_w, b.dtopk_w) && same_f32(a.dgate, b.dgate) && same_f32(a.dup, b.dup) &&
+  return a.y == b.y && a.dx == b.dx && same_f32(a.dtopk_w, b.dtopk_w) && same_f32(a.dgate, b.dgate) && same_f32(a.dup, b.dup) &&
          same_f32(a.ddown, b.ddown) && same_f32(a.sdgate, b.sdgate) && same_f32(a.sdup, b.sdup) &&
          same_f32(a.sddown, b.sddown);
 }
@@ -188,6 +229,36 @@ struct RunOptions {
   bool recompute_call = false;                       // recompute_forward_context before the backward
   bool defer = false;  // BackwardArgs::defer_weight_grads, then (after the second layer's backward) backward_weight_grads
   std::function<void(Workspace&)> configure;  // workspace knobs (fused options)
+  // Routed weights and their gradients in Hugging Face's layout (gate_up_proj [E, 2I, H]; down
+  // with a padded expert stride), through ExpertWeights / WeightGrads expert strides.
+  bool strided_experts = false;
+  // A workspace sized for more tokens than the problem's (0: the same): every call carries
+  // fewer tokens than the workspace (mok::schedule's tokens argument).
+  int64_t workspace_tokens = 0;
+};
+
+// One rank's routed weights in the strided layout of RunOptions::strided_experts.
+struct StridedWeights {
+  comm::DeviceBuffer<bf16> gate_up, down;
+  static constexpr size_t kDownPad = 64;
+  StridedWeights(const RankData& d, const LayerShape& s) {
+    const size_t per = size_t(s.intermediate) * s.hidden, E = size_t(s.local_experts()), w = per * 2;
+    gate_up = comm::DeviceBuffer<bf16>(E * 2 * per);
+    down = comm::DeviceBuffer<bf16>(E * (per + kDownPad));
+    MOK_CUDA_CHECK(cudaMemset(down.get(), 0xFF, down.bytes()));
+    MOK_CUDA_CHECK(cudaMemcpy2D(gate_up.get(), 2 * w, d.gate.get(), w, w, E, cudaMemcpyDeviceToDevice));
+    MOK_CUDA_CHECK(cudaMemcpy2D(gate_up.get() + per, 2 * w, d.up.get(), w, w, E, cudaMemcpyDeviceToDevice));
+    MOK_CUDA_CHECK(cudaMemcpy2D(down.get(), (per + kDownPad) * 2, d.down.get(), w, w, E, cudaMemcpyDeviceToDevice));
+  }
+  ExpertWeights apply(ExpertWeights ew, const LayerShape& s) const {
+    const int64_t per = s.intermediate * s.hidden;
+    ew.gate = gate_up.get();
+    ew.up = gate_up.get() + per;
+    ew.down = down.get();
+    ew.gate_expert_stride = ew.up_expert_stride = 2 * per;
+    ew.down_expert_stride = per + int64_t(kDownPad);
+    return ew;
+  }
 };
 
 // Runs schedule + forward + backward `repeats` times per rank; returns [repeat][rank].
@@ -201,19 +272,26 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
     comm::DeviceBuffer<bf16> dx(size_t(s.tokens) * s.hidden);
     comm::DeviceBuffer<float> dtopk(size_t(s.tokens) * s.topk);
     cudaStream_t st = rank_stream();
-    auto ws = create_workspace(s, cfg, r);
+    LayerShape ws_shape = s;
+    if (ro.workspace_tokens > 0) ws_shape.tokens = ro.workspace_tokens;
+    auto ws = create_workspace(ws_shape, cfg, r);
     if (ro.configure) ro.configure(*ws);
     GradBuffers gb(s, ro.mode, r.rank);
-    const ExpertWeights ew = d.weights();
+    if (ro.strided_experts) gb.use_strided(s);
+    std::optional<StridedWeights> sw;
+    if (ro.strided_experts) sw.emplace(d, s);
+    const ExpertWeights ew = sw ? sw->apply(d.weights(), s) : d.weights();
     auto ctx_a = Context::create(*ws, st, ro.defer ? Context::Keep::kDeferredWgrad : ro.keep);
     auto ctx_b = Context::create(*ws, st);
     std::optional<RankData> d2;
     if (ro.second != nullptr) d2.emplace(upload_rank(*ro.second, r.rank));
     for (int i = 0; i < ro.repeats; ++i) {
       gb.poison(st);
+      gb.copy_layout(true, st);
+      MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), st));
       MOK_CUDA_CHECK(cudaMemsetAsync(dx.get(), 0xFF, dx.bytes(), st));
       MOK_CUDA_CHECK(cudaMemsetAsync(dtopk.get(), 0xFF, dtopk.bytes(), st));
-      schedule(*ws, d.idx.get(), st);
+      schedule(*ws, d.idx.get(), s.tokens, st);
       forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx_a.get(), ro.save_activations}, ew, st);
       if (ro.recompute_call) {
         ws->check();
@@ -227,13 +305,16 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
       auto run_second = [&] {
         if (d2) {
           const ExpertWeights ew2 = d2->weights();
-          schedule(*ws, d2->idx.get(), st);
+          const LayerShape& s2 = ro.second->shape;  // its own T (<= the workspace's)
+          schedule(*ws, d2->idx.get(), s2.tokens, st);
           forward(*ws, ForwardArgs{d2->x.get(), d2->w.get(), d2->y.get(), ctx_b.get()}, ew2, st);
-          comm::DeviceBuffer<bf16> dx_b(dx.size());
-          comm::DeviceBuffer<float> dtopk_b(dtopk.size());
-          GradBuffers gb_b(s, GradMode::kWriteBf16);
-          backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()}, ew2,
-                   gb_b.grads(), st);
+          comm::DeviceBuffer<bf16> dx_b(size_t(s2.tokens) * s2.hidden);
+          comm::DeviceBuffer<float> dtopk_b(size_t(s2.tokens) * s2.topk);
+          const auto dy2 = make_dy(s2, 97);
+          comm::DeviceBuffer<bf16> ddy_b = upload_bf16(dy2[r.rank].data(), dy2[r.rank].size());
+          GradBuffers gb_b(s2, GradMode::kWriteBf16);
+          backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy_b.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()},
+                   ew2, gb_b.grads(), st);
           ws->check();
         }
       };
@@ -246,6 +327,8 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
       }
       ws->check();
       RankGrads& g = out[i][r.rank];
+      gb.copy_layout(false, st);
+      g.y = get_bits(d.y.get(), d.y.size());
       g.dx = get_bits(dx.get(), dx.size());
       g.dtopk_w = get_f32(dtopk.get(), dtopk.size());
       gb.read_into(g);
@@ -480,6 +563,68 @@ TEST(BackwardDeferredWgrad, SplitCallGivesTheSameBits) {
         const auto got = run_backward(p, dy, bwd_config(s), split);
         for (int r = 0; r < ep; ++r) {
           EXPECT_TRUE(same_grads(got[0][r], expect[0][r])) << c.name << " ep " << ep << " mode " << int(mode);
+        }
+      }
+    }
+  }
+}
+
+// Hugging Face's expert layout without a copy: gate_up_proj [E, 2I, H] (gate and up through
+// expert strides of 2IH) and a padded down stride, for the weights and the weight gradients:
+// the bits of the dense layout, forward and backward, at EP 1 and 2.
+TEST(BackwardExpertStrides, HuggingFaceLayoutGivesTheDenseBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    const BwdCase& c = bwd_cases()[0];
+    const LayerShape s = with_ep(c.shape, ep);
+    const Problem p = make_problem(s, c.pattern, 431);
+    const auto dy = make_dy(s, 432);
+    for (GradMode mode : {GradMode::kAccumulateFp32, GradMode::kWriteBf16}) {
+      RunOptions dense;
+      dense.mode = mode;
+      const auto expect = run_backward(p, dy, bwd_config(s), dense);
+      RunOptions hf = dense;
+      hf.strided_experts = true;
+      const auto got = run_backward(p, dy, bwd_config(s), hf);
+      for (int r = 0; r < ep; ++r) {
+        EXPECT_TRUE(same_grads(got[0][r], expect[0][r])) << c.name << " ep " << ep << " mode " << int(mode);
+      }
+    }
+  }
+}
+
+// Calls with fewer tokens than the workspace was sized for (the last batch of an epoch, packed
+// sequences): the bits of a workspace sized exactly, forward (y) and backward, and within the
+// reference's tolerance; a second layer of yet another T runs between the forward and the backward.
+TEST(BackwardShortCalls, FewerTokensThanTheWorkspaceGiveTheExactWorkspaceBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    for (int which : {0, 2}) {  // shared expert on; top-8
+      const BwdCase& c = bwd_cases()[which];
+      const LayerShape s = with_ep(c.shape, ep);
+      const Problem p = make_problem(s, c.pattern, 441 + which);
+      LayerShape s2 = s;
+      s2.tokens = s.tokens / 2 + 3;
+      const Problem other = make_problem(s2, Pattern::kOneExpert, 451 + which);
+      const auto dy = make_dy(s, 442 + which);
+      for (GradMode mode : {GradMode::kAccumulateFp32, GradMode::kWriteBf16}) {
+        RunOptions exact;
+        exact.mode = mode;
+        const auto expect = run_backward(p, dy, bwd_config(s), exact);
+        for (int64_t ws_tokens : {s.tokens + 77, 3 * s.tokens}) {
+          RunOptions shorter = exact;
+          shorter.workspace_tokens = ws_tokens;
+          shorter.second = &other;
+          LayerShape big = s;
+          big.tokens = ws_tokens;
+          const auto got = run_backward(p, dy, bwd_config(big), shorter);
+          for (int r = 0; r < ep; ++r) {
+            EXPECT_TRUE(same_grads(got[0][r], expect[0][r]))
+                << c.name << " ep " << ep << " mode " << int(mode) << " workspace T " << ws_tokens;
+          }
+          if (mode == GradMode::kAccumulateFp32 && ws_tokens == 3 * s.tokens) expect_matches_reference(c, p, dy, got[0]);
         }
       }
     }

@@ -112,6 +112,7 @@ TEST(CommErrors, CapacityOverflowIsAnErrorNotAHang) {
     l.peers = st.peers();
     l.layout = st.layout();
     l.topk_idx = d_topk.get();
+    l.tokens = s.tokens;
     l.parity = 0;
     l.max_rows = s.tokens * s.topk - 1;
     l.barrier = comm::GroupBarrier{st.sync(comm::SyncSite::kExchange), st.layout().flags, st.next_epoch()};
@@ -172,6 +173,42 @@ TEST(CommErrors, BadRoutingOnTwoRanksIsSeenByBoth) {
     uploads_done();
     schedule(*ws, d_topk.get(), stream);
     expect_error(*ws, Status::kInvalidArgument, {"topk_idx[rank 1, token 9, k 1]"});
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    pool.barrier();
+    ws.reset();
+  });
+}
+
+// Calls with fewer tokens than the workspace: every rank must pass the same count. A rank with
+// fewer (its end marker lands inside the others' range) or more (a real id where the others'
+// range ends) poisons every rank's schedule with a clear error; the next call recovers.
+TEST(CommErrors, TokenCountDifferentAcrossRanksIsAnError) {
+  MOK_REQUIRE_RANKS(2);
+  const LayerShape s = small_shape(2);
+  Config cfg;
+  const auto routing = make_routing(s, Pattern::kUniform, 25);
+  RankPool& pool = RankPool::get(2);
+  pool.run([&](bootstrap::LocalRank& lr) {
+    auto ws = create_workspace(s, cfg, lr);
+    const cudaStream_t stream = rank_stream();
+    auto d_topk = upload(routing[lr.rank]);
+    uploads_done();
+    for (int64_t other : {s.tokens - 5, s.tokens}) {  // rank 1 has fewer / more than rank 0's T - 3
+      const int64_t mine = lr.rank == 0 ? s.tokens - 3 : other;
+      schedule(*ws, d_topk.get(), mine, stream);
+      expect_error(*ws, Status::kInvalidArgument, {"another token count", "the same tokens on every rank"});
+      MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+      pool.barrier();
+    }
+    schedule(*ws, d_topk.get(), s.tokens - 3, stream);  // the same count again: no error
+    EXPECT_NO_THROW(ws->check());
+    try {
+      schedule(*ws, d_topk.get(), s.tokens + 1, stream);
+      ADD_FAILURE() << "tokens > LayerShape.tokens accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("tokens"), std::string::npos) << e.what();
+    }
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     pool.barrier();
     ws.reset();
