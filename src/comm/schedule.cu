@@ -39,9 +39,12 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const ExchangeParams
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t slot_bytes = static_cast<size_t>(p.slot_entries) * sizeof(int32_t);
-  const bool vector = (p.entries % 4 == 0) && (reinterpret_cast<uintptr_t>(p.topk_idx) % 16 == 0);
   for (int peer = 0; peer < p.peers.ep; ++peer) {
     char* dst = p.peers.base[peer] + p.table_offset + static_cast<size_t>(p.peers.rank) * slot_bytes;
+    // 16-byte vectors when both ends allow (a slot of T*K entries not a multiple of 4 leaves the
+    // slots of ranks >= 1 only 4- or 8-byte aligned).
+    const bool vector = (p.entries % 4 == 0) && (reinterpret_cast<uintptr_t>(p.topk_idx) % 16 == 0) &&
+                        (reinterpret_cast<uintptr_t>(dst) % 16 == 0);
     if (vector) {
       const int4* src4 = reinterpret_cast<const int4*>(p.topk_idx);
       int4* dst4 = reinterpret_cast<int4*>(dst);
