@@ -101,6 +101,27 @@ mok_status_t mok_backward_weight_grads(mok_workspace_t ws, mok_context_t ctx, co
 mok_status_t mok_recompute_forward_context(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w,
                                            const mok_expert_weights_t* weights, mok_stream_t stream);
 
+
+/* ---- For language bindings (the Python package, python/mok) --------------------------------- */
+
+/* What this build implements (mok::engine_info). Any output may be NULL; *description is static text. */
+mok_status_t mok_engine_info(int32_t* gpu_schedule, int32_t* gpu_forward, int32_t* gpu_backward,
+                             const char** description);
+
+/* NCCL bootstrap for callers without NCCL headers (docs/python.md "Communicators"): one rank makes
+ * the id, the launcher shares its bytes (torch.distributed), every rank of the group inits. */
+#define MOK_NCCL_UNIQUE_ID_BYTES 128
+/* Writes MOK_NCCL_UNIQUE_ID_BYTES bytes (ncclGetUniqueId) to out. */
+mok_status_t mok_nccl_unique_id(void* out);
+/* ncclCommInitRank on `device` (made current for the call, then restored). Collective: every rank of
+ * the group calls it with the same id and nranks. */
+mok_status_t mok_nccl_comm_init(const void* id, int32_t nranks, int32_t rank, int32_t device, mok_nccl_comm_t* out);
+/* ncclCommDestroy. Destroy every workspace made on the communicator first. */
+mok_status_t mok_nccl_comm_destroy(mok_nccl_comm_t comm);
+/* runtime: ncclGetVersion() of the libnccl this process loaded; headers: the NCCL_VERSION_CODE mok
+ * was compiled with (the device-API path needs them equal). Either may be NULL. */
+mok_status_t mok_nccl_versions(int32_t* runtime, int32_t* headers);
+
 #ifdef __cplusplus
 }
 #endif

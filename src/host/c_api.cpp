@@ -1,6 +1,10 @@
 // extern "C" mirror of the C++ API: exceptions become status codes + thread-local text.
 #include "mok/c_api.h"
 
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
 #include <string>
 
 #include "mok/api.hpp"
@@ -100,6 +104,19 @@ mok::WeightGrads to_grads(const mok_weight_grads_t* grads) {
   g.up_expert_stride = grads->up_expert_stride;
   g.down_expert_stride = grads->down_expert_stride;
   return g;
+}
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw mok::Error(mok::Status::kCudaError, std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+void nccl_ok(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) {
+    std::string text = std::string(what) + ": " + ncclGetErrorString(r);
+    const char* last = ncclGetLastError(nullptr);
+    if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
+    throw mok::Error(mok::Status::kNcclError, text);
+  }
 }
 
 }  // namespace
@@ -223,6 +240,74 @@ mok_status_t mok_recompute_forward_context(mok_workspace_t ws, mok_context_t ctx
   return guarded([&] {
     mok::ForwardArgs args{static_cast<const mok::bf16*>(x), topk_w, nullptr, ctx != nullptr ? ctx->ctx.get() : nullptr};
     mok::recompute_forward_context(deref(ws), args, to_weights(weights), stream_of(stream));
+  });
+}
+
+// ---- For language bindings ----------------------------------------------------------------------
+
+mok_status_t mok_engine_info(int32_t* gpu_schedule, int32_t* gpu_forward, int32_t* gpu_backward,
+                             const char** description) {
+  return guarded([&] {
+    const mok::EngineInfo info = mok::engine_info();
+    if (gpu_schedule != nullptr) *gpu_schedule = info.gpu_schedule ? 1 : 0;
+    if (gpu_forward != nullptr) *gpu_forward = info.gpu_forward ? 1 : 0;
+    if (gpu_backward != nullptr) *gpu_backward = info.gpu_backward ? 1 : 0;
+    if (description != nullptr) *description = info.description;
+  });
+}
+
+mok_status_t mok_nccl_unique_id(void* out) {
+  static_assert(sizeof(ncclUniqueId) == MOK_NCCL_UNIQUE_ID_BYTES, "ncclUniqueId is 128 bytes");
+  return guarded([&] {
+    require(out, "out");
+    ncclUniqueId id;
+    nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    std::memcpy(out, id.internal, sizeof(id.internal));
+  });
+}
+
+mok_status_t mok_nccl_comm_init(const void* id, int32_t nranks, int32_t rank, int32_t device, mok_nccl_comm_t* out) {
+  return guarded([&] {
+    require(id, "id");
+    require(out, "out");
+    *out = nullptr;
+    if (nranks < 1) mok::throw_invalid("nranks", "at least 1", std::to_string(nranks));
+    if (rank < 0 || rank >= nranks) {
+      mok::throw_invalid("rank", "0 <= rank < nranks (" + std::to_string(nranks) + ")", std::to_string(rank));
+    }
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();
+      count = 0;
+    }
+    if (device < 0 || device >= count) {
+      mok::throw_invalid("device", "a CUDA device in [0, " + std::to_string(count) + ")", std::to_string(device));
+    }
+    ncclUniqueId uid;
+    std::memcpy(uid.internal, id, sizeof(uid.internal));
+    int previous = -1;
+    cuda_ok(cudaGetDevice(&previous), "cudaGetDevice");
+    cuda_ok(cudaSetDevice(device), "cudaSetDevice");
+    ncclComm_t comm = nullptr;
+    const ncclResult_t r = ncclCommInitRank(&comm, nranks, uid, rank);
+    cudaSetDevice(previous);
+    nccl_ok(r, "ncclCommInitRank");
+    *out = comm;
+  });
+}
+
+mok_status_t mok_nccl_comm_destroy(mok_nccl_comm_t comm) {
+  return guarded([&] {
+    if (comm != nullptr) nccl_ok(ncclCommDestroy(static_cast<ncclComm_t>(comm)), "ncclCommDestroy");
+  });
+}
+
+mok_status_t mok_nccl_versions(int32_t* runtime, int32_t* headers) {
+  return guarded([&] {
+    int loaded = 0;
+    nccl_ok(ncclGetVersion(&loaded), "ncclGetVersion");
+    if (runtime != nullptr) *runtime = loaded;
+    if (headers != nullptr) *headers = NCCL_VERSION_CODE;
   });
 }
 
