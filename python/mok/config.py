@@ -1,0 +1,119 @@
+"""Config (the knobs) and LayerShape (the sizes) of a mok layer, validated by libmok itself.
+
+These mirror ``mok::Config`` and ``mok::LayerShape`` (include/mok/config.hpp, shape.hpp): the same
+fields, the same defaults (read from ``mok_config_default``), the same validation
+(``mok_validate``), so a shape or knob that Python accepts is one the C++ library accepts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from dataclasses import dataclass
+
+from . import _lib
+from .errors import invalid_argument
+
+__all__ = ["Config", "LayerShape", "validate", "context_bytes", "KEEP_ACTIVATIONS", "KEEP_ROUTING_ONLY",
+           "KEEP_DEFERRED_WGRAD"]
+
+# mok_context_bytes / mok_context_create_in `keep` (mok::Context::Keep).
+KEEP_ACTIVATIONS = 0
+KEEP_ROUTING_ONLY = 1
+KEEP_DEFERRED_WGRAD = 2
+
+
+def _defaults() -> dict:
+    c = _lib.ConfigC()
+    _lib.call("mok_config_default", ctypes.byref(c))
+    return {name: getattr(c, name) for name, _ in _lib.ConfigC._fields_}
+
+
+@dataclass(frozen=True)
+class Config:
+    """mok's knobs (mok::Config). Knobs change speed and memory, never results.
+
+    ``None`` fields take libmok's documented defaults (include/mok/config.hpp). ``max_tokens`` is the
+    binding's own: the tokens per rank a workspace is sized for (``LayerShape.tokens``); 0 sizes it
+    for each call's T rounded up to a power of two (docs/python.md, "Workspaces").
+    """
+
+    comm_sms_forward: int | None = None
+    comm_sms_backward: int | None = None
+    minibatch: int | None = None
+    macrobatch: int | None = None
+    capacity: float | None = None
+    grid_sms: int | None = None
+    wait_timeout_s: float | None = None
+    max_tokens: int = 0
+
+    def resolved(self) -> "Config":
+        """This config with every ``None`` replaced by libmok's default."""
+        d = _defaults()
+        values = {f.name: (getattr(self, f.name) if getattr(self, f.name) is not None else d[f.name])
+                  for f in dataclasses.fields(self) if f.name != "max_tokens"}
+        return Config(**values, max_tokens=self.max_tokens)
+
+    def to_c(self) -> _lib.ConfigC:
+        r = self.resolved()
+        c = _lib.ConfigC()
+        for name, _ in _lib.ConfigC._fields_:
+            setattr(c, name, getattr(r, name))
+        return c
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if f.name in ("capacity", "wait_timeout_s"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise invalid_argument(f"Config.{f.name}", "a number", repr(v))
+            elif isinstance(v, bool) or not isinstance(v, int):
+                raise invalid_argument(f"Config.{f.name}", "an integer", repr(v))
+        if self.max_tokens < 0:
+            raise invalid_argument("Config.max_tokens", "0 (automatic) or a positive token count", self.max_tokens)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes of one MoE layer on one expert-parallel rank (mok::LayerShape, DESIGN §1).
+
+    tokens: T per rank; hidden: H; intermediate: I of a routed expert; shared_intermediate: I of
+    the shared expert (0: none); experts: E over all ranks; topk: K; ep: expert-parallel ranks.
+    """
+
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    shared_intermediate: int = 0
+    ep: int = 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep if self.ep else 0
+
+    def to_c(self) -> _lib.LayerShapeC:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise invalid_argument(f"LayerShape.{f.name}", "an integer", repr(v))
+        return _lib.LayerShapeC(self.tokens, self.hidden, self.intermediate, self.shared_intermediate, self.experts,
+                                self.topk, self.ep)
+
+
+def validate(shape: LayerShape, config: Config | None = None) -> None:
+    """Raises MokInvalidArgument naming the first bad field of ``shape`` or knob of ``config``."""
+    config = config or Config()
+    _lib.call("mok_validate", ctypes.byref(shape.to_c()), ctypes.byref(config.to_c()))
+
+
+def context_bytes(shape: LayerShape, config: Config | None = None, keep: int = KEEP_ACTIVATIONS) -> int:
+    """Device bytes of one layer's forward context (mok::Context::bytes)."""
+    config = config or Config()
+    out = ctypes.c_uint64()
+    _lib.call("mok_context_bytes", ctypes.byref(shape.to_c()), ctypes.byref(config.to_c()), int(keep),
+              ctypes.byref(out))
+    return int(out.value)

@@ -1,0 +1,411 @@
+"""The GPU side of mok.torch: NCCL communicators, the workspace cache, each forward's context,
+and the error-check policy (docs/python.md).
+
+Nothing here is traced by torch.compile: it runs inside the real (CUDA) implementations of the
+custom ops, on real tensors, every time a compiled graph calls them.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+
+import torch
+
+import mok
+from mok import _lib
+from mok._info import nccl_version_string
+from mok.config import KEEP_ACTIVATIONS
+from mok.errors import MokError, MokNcclError, MokTimeout, invalid_argument
+
+from ._spec import LayerSpec
+
+_lock = threading.RLock()
+
+# ---- error checks ------------------------------------------------------------------------------------
+
+_CHECK_MODES = ("sync", "off")
+_checks = os.environ.get("MOK_TORCH_CHECKS", "sync")
+if _checks not in _CHECK_MODES:
+    raise invalid_argument("MOK_TORCH_CHECKS", "'sync' or 'off'", repr(_checks))
+
+
+def set_checks(mode: str) -> None:
+    """'sync' (default): after every mok call that is not being captured into a CUDA graph, wait for it and
+    raise its device-side errors (bad expert id, duplicate expert, non-finite router weight, capacity
+    overflow, timeout) as MokError, and check that T is equal on every EP rank. 'off': no waits; call
+    mok.torch.check() yourself (after a step, after a graph replay). Errors are never silent either way:
+    the outputs of a failed call are NaN and the error stays recorded until the next check."""
+    global _checks
+    if mode not in _CHECK_MODES:
+        raise invalid_argument("mode", "'sync' or 'off'", repr(mode))
+    _checks = mode
+
+
+def get_checks() -> str:
+    return _checks
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _checking() -> bool:
+    return _checks == "sync" and not capturing()
+
+
+# ---- NCCL communicators --------------------------------------------------------------------------------
+
+def resolve_group(name: str):
+    """The torch.distributed ProcessGroup named ``name`` ("" = none: this process alone)."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def check_nccl_versions() -> None:
+    """The loaded libnccl must be the version mok's headers describe (its device-API structs come from them)."""
+    runtime, headers = mok.nccl_versions()
+    if runtime == headers:
+        return
+    path = _lib.loaded_library("libnccl.so") or "an unknown file"
+    torch_nccl = ""
+    try:
+        v = torch.cuda.nccl.version()
+        torch_nccl = f"; torch {torch.__version__} was built with NCCL {'.'.join(str(p) for p in v)}"
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    raise MokNcclError(
+        f"NCCL: mok was compiled against NCCL {nccl_version_string(headers)} headers, but this process loaded "
+        f"libnccl {nccl_version_string(runtime)} ({path}){torch_nccl}. mok's device-API path needs them equal. Either "
+        f"load a libnccl {nccl_version_string(headers)} first (LD_LIBRARY_PATH=<its folder>, or "
+        f"MOK_NCCL_LIBRARY=<file> before importing torch), or rebuild mok against the NCCL that torch loads "
+        f"(cmake -DMOK_NCCL_DIR=<site-packages>/nvidia/nccl, then pip install . again)")
+
+
+class Comm:
+    """An NCCL communicator of mok's own over one EP group on one device."""
+
+    def __init__(self, group: str, device: int):
+        self.group, self.device = group, device
+        pg = resolve_group(group)
+        if pg is None:
+            self.rank, self.size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.size = dist.get_rank(pg), dist.get_world_size(pg)
+        check_nccl_versions()  # every rank raises alike before any collective
+        uid = ctypes.create_string_buffer(_lib.NCCL_UNIQUE_ID_BYTES)
+        if self.rank == 0:
+            _lib.call("mok_nccl_unique_id", uid)
+        if pg is not None:
+            import torch.distributed as dist
+
+            box = [uid.raw if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg,
+                                       device=torch.device("cuda", device))
+            if not isinstance(box[0], bytes) or len(box[0]) != _lib.NCCL_UNIQUE_ID_BYTES:
+                raise MokNcclError(f"ep_group {group!r}: the NCCL unique id from EP rank 0 did not arrive intact")
+            ctypes.memmove(uid, box[0], _lib.NCCL_UNIQUE_ID_BYTES)
+        handle = ctypes.c_void_p()
+        _lib.call("mok_nccl_comm_init", uid, self.size, self.rank, device, ctypes.byref(handle))
+        self.handle = handle
+
+    def destroy(self) -> None:
+        if self.handle:
+            _lib.call("mok_nccl_comm_destroy", self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+_comms: dict[tuple[str, int], Comm] = {}
+
+
+def comm_for(group: str, device: int) -> Comm:
+    key = (group, device)
+    with _lock:
+        c = _comms.get(key)
+        if c is None:
+            c = Comm(group, device)
+            _comms[key] = c
+        return c
+
+
+# ---- workspaces ----------------------------------------------------------------------------------------
+
+class Workspace:
+    """One mok workspace: shared by every layer of one spec on one device, sized for ``tokens`` per call."""
+
+    def __init__(self, spec: LayerSpec, tokens: int, device: int):
+        self.spec, self.tokens, self.device = spec, tokens, device
+        self.comm = comm_for(spec.group, device)
+        if self.comm.size != spec.ep:
+            raise invalid_argument("ep_group", f"a group of {spec.ep} ranks (the layer's EP size)", self.comm.size)
+        self.shape = spec.shape(tokens)
+        handle = ctypes.c_void_p()
+        _lib.call("mok_workspace_create", ctypes.byref(self.shape.to_c()), ctypes.byref(spec.config.to_c()),
+                  self.comm.handle, device, ctypes.byref(handle))
+        self.handle = handle
+        self._context_bytes: dict[int, int] = {}
+
+    def device_bytes(self) -> int:
+        out = ctypes.c_uint64()
+        _lib.call("mok_workspace_bytes", self.handle, ctypes.byref(out))
+        return int(out.value)
+
+    def context_bytes(self, keep: int) -> int:
+        n = self._context_bytes.get(keep)
+        if n is None:
+            n = self._context_bytes[keep] = mok.context_bytes(self.shape, self.spec.config, keep)
+        return n
+
+    def check(self) -> None:
+        """Waits for the workspace's last stream and raises its device-side error, if any."""
+        try:
+            _lib.call("mok_workspace_check", self.handle)
+        except MokTimeout:
+            _evict(self)  # a timed-out workspace must be recreated (docs/python.md, "Errors")
+            raise
+
+    def destroy(self) -> None:
+        if self.handle:
+            _lib.call("mok_workspace_destroy", self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+_workspaces: dict[tuple[str, int, int], Workspace] = {}
+
+
+def _evict(ws: Workspace) -> None:
+    with _lock:
+        for k, v in list(_workspaces.items()):
+            if v is ws:
+                del _workspaces[k]
+
+
+def workspace_for(spec: LayerSpec, tokens: int, device: int) -> Workspace:
+    ws_tokens = spec.workspace_tokens(tokens)
+    if tokens > ws_tokens:
+        raise invalid_argument("x", f"at most Config.max_tokens = {ws_tokens} tokens per call", f"T = {tokens}")
+    key = (spec.key(), device, ws_tokens)
+    with _lock:
+        ws = _workspaces.get(key)
+        if ws is None:
+            if capturing():
+                raise MokError(
+                    f"mok: no workspace yet for this layer at T <= {ws_tokens} on cuda:{device}, and one cannot be "
+                    "created while a CUDA graph is being captured (it allocates and synchronises). Run the step once "
+                    "before capturing it (the usual warm-up), or set Config.max_tokens")
+            ws = Workspace(spec, ws_tokens, device)
+            _workspaces[key] = ws
+        return ws
+
+
+def workspaces() -> list[Workspace]:
+    with _lock:
+        return list(_workspaces.values())
+
+
+# ---- contexts: one per forward that a backward will consume ---------------------------------------------
+
+_MAX_PENDING = 4096  # forwards whose backward has not run yet; beyond it the oldest are forgotten
+_contexts: collections.OrderedDict[tuple[int, int], tuple[Workspace, ctypes.c_void_p]] = collections.OrderedDict()
+
+
+def _destroy_context(handle: ctypes.c_void_p) -> None:
+    _lib.call("mok_context_destroy", handle)
+
+
+def register_context(ws: Workspace, memory: torch.Tensor, keep: int) -> ctypes.c_void_p:
+    """A mok context over ``memory`` (a torch-allocated uint8 tensor), found again by its address."""
+    handle = ctypes.c_void_p()
+    _lib.call("mok_context_create_in", ws.handle, ctypes.c_void_p(memory.data_ptr()), memory.numel(), keep,
+              ctypes.byref(handle))
+    key = (ws.device, memory.data_ptr())
+    with _lock:
+        stale = _contexts.pop(key, None)  # its memory was freed (no backward came) and now holds this one
+        _contexts[key] = (ws, handle)
+        old = [_contexts.popitem(last=False)[1] for _ in range(len(_contexts) - _MAX_PENDING)]
+    for _, h in ([stale] if stale else []) + old:
+        _destroy_context(h)
+    return handle
+
+
+def take_context(memory: torch.Tensor) -> tuple[Workspace, ctypes.c_void_p]:
+    """The workspace and context of the forward that filled ``memory``; the caller destroys the context."""
+    key = (memory.device.index, memory.data_ptr())
+    with _lock:
+        entry = _contexts.pop(key, None)
+    if entry is None:
+        raise invalid_argument(
+            "ctx", "the context of a mok forward that no backward consumed yet",
+            "an unknown or consumed context (a second backward through the same graph needs retain_graph-free "
+            f"recomputation: mok consumes a forward's context; or more than {_MAX_PENDING} forwards were pending, "
+            "or mok.torch.release() ran in between)")
+    return entry
+
+
+def drop_context(memory: torch.Tensor) -> None:
+    try:
+        _, handle = take_context(memory)
+    except MokError:
+        return
+    _destroy_context(handle)
+
+
+# ---- checks across ranks ---------------------------------------------------------------------------------
+
+def check_tokens_across_ranks(spec: LayerSpec, tokens: int, device: int) -> None:
+    """In 'sync' mode with EP > 1: T must be equal on every rank (one small all-gather)."""
+    if spec.ep == 1 or not _checking():
+        return
+    import torch.distributed as dist
+
+    pg = resolve_group(spec.group)
+    mine = torch.tensor([tokens], dtype=torch.int64, device=torch.device("cuda", device))
+    every = torch.empty(spec.ep, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(every, mine, group=pg)
+    values = every.tolist()
+    if any(v != tokens for v in values):
+        raise invalid_argument("x", f"the same number of tokens on every rank of the EP group (T per EP rank: {values})",
+                               f"T = {tokens} on EP rank {dist.get_rank(pg)}")
+
+
+# ---- the C structs of one call ---------------------------------------------------------------------------
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def weights_c(spec: LayerSpec, w_gate, w_up, w_down, shared_gate, shared_up, shared_down) -> _lib.ExpertWeightsC:
+    """w_up None: w_gate is Hugging Face's fused [E, 2I, H] (gate rows, then up rows, per expert)."""
+    w = _lib.ExpertWeightsC()
+    if w_up is None:
+        ih = spec.intermediate * spec.hidden
+        w.gate = w_gate.data_ptr()
+        w.up = w_gate.data_ptr() + ih * w_gate.element_size()
+        w.gate_expert_stride = w.up_expert_stride = 2 * ih
+    else:
+        w.gate, w.up = w_gate.data_ptr(), w_up.data_ptr()
+    w.down = w_down.data_ptr()
+    w.shared_gate, w.shared_up, w.shared_down = _ptr(shared_gate), _ptr(shared_up), _ptr(shared_down)
+    return w
+
+
+def grads_c(spec: LayerSpec, buffers: list, accumulate: bool, fused: bool) -> _lib.WeightGradsC:
+    g = _lib.WeightGradsC()
+    g.accumulate_fp32 = 1 if accumulate else 0
+    gate, up, down, sgate, sup, sdown = buffers
+    if fused:
+        ih = spec.intermediate * spec.hidden
+        g.gate = gate.data_ptr()
+        g.up = gate.data_ptr() + ih * gate.element_size()
+        g.gate_expert_stride = g.up_expert_stride = 2 * ih
+    else:
+        g.gate, g.up = gate.data_ptr(), up.data_ptr()
+    g.down = down.data_ptr()
+    g.shared_gate, g.shared_up, g.shared_down = _ptr(sgate), _ptr(sup), _ptr(sdown)
+    return g
+
+
+def _stream(device: torch.device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+# ---- the ops' CUDA implementations -----------------------------------------------------------------------
+
+def forward(spec: LayerSpec, x, topk_idx, topk_weights, weights: list, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """schedule + forward on the current stream; keep < 0: no context (nothing to differentiate)."""
+    T, dev = x.shape[0], x.device
+    if T == 0:
+        return torch.empty_like(x), torch.empty(0, dtype=torch.uint8, device=dev)
+    check_tokens_across_ranks(spec, T, dev.index)
+    ws = workspace_for(spec, T, dev.index)
+    stream = _stream(dev)
+    idx = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+    _lib.call("mok_schedule", ws.handle, ctypes.c_void_p(idx.data_ptr()), T, stream)
+    y = torch.empty_like(x)
+    if keep < 0:
+        ctx, handle = torch.empty(0, dtype=torch.uint8, device=dev), None
+    else:
+        ctx = torch.empty(ws.context_bytes(keep), dtype=torch.uint8, device=dev)
+        handle = register_context(ws, ctx, keep)
+    w = weights_c(spec, *weights)
+    try:
+        _lib.call("mok_forward", ws.handle, handle, ctypes.c_void_p(x.data_ptr()),
+                  ctypes.c_void_p(topk_weights.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.byref(w),
+                  1 if keep == KEEP_ACTIVATIONS else 0, stream)
+        if _checking():
+            ws.check()
+    except BaseException:
+        if handle is not None:
+            drop_context(ctx)
+        raise
+    return y, ctx
+
+
+def backward(spec: LayerSpec, ctx, x, topk_weights, dy, weights: list, buffers: list,
+             accumulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx, d topk_w; the weight gradients into ``buffers`` (added in fp32, or written in bf16)."""
+    T, dev = x.shape[0], x.device
+    dtw = torch.empty(T, spec.topk, dtype=torch.float32, device=dev)
+    if T == 0:
+        if not accumulate:
+            for b in buffers:
+                if b is not None:
+                    b.zero_()
+        return torch.empty_like(x), dtw
+    ws, handle = take_context(ctx)
+    dx = torch.empty_like(x)
+    w = weights_c(spec, *weights)
+    g = grads_c(spec, buffers, accumulate, fused=weights[1] is None)
+    try:
+        _lib.call("mok_backward", ws.handle, handle, ctypes.c_void_p(x.data_ptr()),
+                  ctypes.c_void_p(topk_weights.data_ptr()), ctypes.c_void_p(dy.data_ptr()),
+                  ctypes.c_void_p(dx.data_ptr()), ctypes.c_void_p(dtw.data_ptr()), ctypes.byref(w), ctypes.byref(g), 0,
+                  _stream(dev))
+    finally:
+        _destroy_context(handle)
+    if _checking():
+        ws.check()
+    return dx, dtw
+
+
+# ---- public helpers ---------------------------------------------------------------------------------------
+
+def check() -> None:
+    """Waits for every workspace's last work and raises the first device-side error (not while capturing)."""
+    if capturing():
+        raise MokError("mok.torch.check() synchronises: call it after the CUDA graph's replay, not inside its capture")
+    for ws in workspaces():
+        ws.check()
+
+
+def release() -> None:
+    """Frees every workspace, pending context and communicator of this process (collective over each EP group:
+    call it on every rank). Layers keep working: the next forward makes new ones."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with _lock:
+        handles = [h for _, h in _contexts.values()]
+        _contexts.clear()
+        spaces = list(_workspaces.values())
+        _workspaces.clear()
+        comms = list(_comms.values())
+        _comms.clear()
+    for h in handles:
+        _destroy_context(h)
+    for ws in spaces:
+        ws.destroy()
+    for c in comms:
+        c.destroy()
+
+
+def memory_stats() -> dict:
+    """Device bytes of mok's workspaces and the number of pending contexts (for logs and tests)."""
+    return {"workspaces": len(_workspaces), "workspace_bytes": sum(ws.device_bytes() for ws in workspaces()),
+            "pending_contexts": len(_contexts)}
