@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # ./dev.sh demo   install what is missing, build, run `mok demo`
-# ./dev.sh test   install what is missing, build, run the whole test suite (CTest)
+# ./dev.sh test   install what is missing, build, run the whole test suite (CTest, then pytest tests/python)
 # ./dev.sh build  install what is missing, build
-# Environment: MOK_BUILD_DIR (default build), MOK_JOBS (default: all cores).
+# Environment: MOK_BUILD_DIR (default build), MOK_JOBS (default: all cores), MOK_PYTHON_TESTS=0 (skip pytest).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$root"
@@ -25,6 +25,13 @@ case "$cmd" in
     if ! nvidia-smi -L >/dev/null 2>&1; then
       echo "dev.sh: no CUDA GPU on this machine: every test labelled 'gpu' reports Skipped (reason in its log)."
     fi
-    ctest --test-dir "$build" --output-on-failure -j "$jobs" ;;
+    rc=0
+    ctest --test-dir "$build" --output-on-failure -j "$jobs" || rc=$?
+    if [ "${MOK_PYTHON_TESTS:-1}" != 0 ]; then
+      # The Python package's tests (tests/python) against this build's libmok; GPU ones skip, saying why.
+      MOK_BUILD_DIR="$build" PYTHONPATH="$root/python:$root/.deps/torch${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 -m pytest -q -rs tests/python || rc=$?
+    fi
+    exit $rc ;;
   build) ;;
 esac

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what mok needs and this machine lacks. Idempotent: a second run installs nothing.
 # System packages come from apt (as root); CuTe/CUTLASS headers (and NCCL, when the CUDA
-# toolkit has none) come from PyPI into .deps/python inside the checkout.
+# toolkit has none) come from PyPI into .deps/python inside the checkout; the Python tests' torch and
+# pytest into .deps/torch.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 deps="$root/.deps/python"
@@ -45,5 +46,21 @@ if [ ! -e "$deps/cutlass_library/source/include/cute/tensor.hpp" ]; then
 fi
 if [ ! -e "$cuda/include/nccl_device.h" ] && [ ! -e "$deps/nvidia/nccl/include/nccl_device.h" ]; then
   pip_get nvidia-nccl-cu13==2.28.9
+fi
+
+# --- the Python tests' packages (tests/python): a pinned torch and pytest, into .deps/torch -------
+# Only where the Python in use lacks them (the GPU machine brings its own torch). torch's PyPI wheel
+# runs on CPU-only machines too (it brings NVIDIA's CUDA libraries: a few GB, once).
+# MOK_PYTHON_TESTS=0 skips this (and ./dev.sh test then skips the Python tests).
+if [ "${MOK_PYTHON_TESTS:-1}" != 0 ]; then
+  pydeps="$root/.deps/torch"
+  py_has() { PYTHONPATH="$pydeps${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import $1" >/dev/null 2>&1; }
+  need=()
+  py_has torch || need+=(torch==2.11.0 numpy==2.3.5)
+  py_has pytest || need+=(pytest==8.4.2)
+  if [ ${#need[@]} -gt 0 ]; then
+    say "installing ${need[*]} into .deps/torch (the Python tests' torch: a few GB, once)"
+    python3 -m pip install -q --disable-pip-version-check --target "$pydeps" "${need[@]}"
+  fi
 fi
 say "dependencies present"
