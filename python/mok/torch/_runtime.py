@@ -378,10 +378,14 @@ def backward(spec: LayerSpec, ctx, x, topk_weights, dy, weights: list, buffers: 
 # ---- public helpers ---------------------------------------------------------------------------------------
 
 def check() -> None:
-    """Waits for every workspace's last work and raises the first device-side error (not while capturing)."""
+    """Synchronises the devices of mok's workspaces and raises the first device-side error recorded since the
+    last check (not while capturing). The device-wide sync covers work a CUDA-graph replay put on any stream."""
     if capturing():
         raise MokError("mok.torch.check() synchronises: call it after the CUDA graph's replay, not inside its capture")
-    for ws in workspaces():
+    spaces = workspaces()
+    for device in sorted({ws.device for ws in spaces}):
+        torch.cuda.synchronize(device)
+    for ws in spaces:
         ws.check()
 
 
