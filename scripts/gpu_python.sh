@@ -3,7 +3,7 @@
 # that `bash scripts/gpu_validate.sh build` copied to .devbin/validate/libmok.so (on the CPU machine):
 #
 #   bash scripts/gpu_python.sh                 # pytest tests/python (GPU tests included), then the toy model
-#   ONLY=pytest bash scripts/gpu_python.sh     # one part only (pytest | toy), e.g. to fit a 10-minute limit
+#   ONLY=pytest bash scripts/gpu_python.sh     # one part only (info, pytest, toy): each fits a 10-minute limit
 #   PYTEST_ARGS="-k graph" ONLY=pytest bash scripts/gpu_python.sh
 #
 # Environment: MOK_LIBRARY (default .devbin/validate/libmok.so), PYTHON (default: python3 if it has torch,
@@ -49,9 +49,9 @@ step() {  # name, time limit (s), command...
 step info 60 "$PY" -m mok
 # The whole suite; the toy model's pytest file is left to the next step, which runs the same check
 # once and prints every loss.
-step pytest 900 "$PY" -m pytest -q -rs tests/python --ignore=tests/python/test_gpu_toy.py \
+step pytest 570 "$PY" -m pytest -q -rs tests/python --ignore=tests/python/test_gpu_toy.py \
   --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-}
-step toy 900 "$PY" tests/python/toy_model.py --device cuda --steps "${TOY_STEPS:-20}"
+step toy 570 "$PY" tests/python/toy_model.py --device cuda --steps "${TOY_STEPS:-20}"
 
 echo "==== mok Python GPU tests ($(nvidia-smi -L 2>/dev/null | wc -l) GPU(s); logs in $OUT) ===="
 cat "$OUT/summary.log"
