@@ -356,7 +356,16 @@ def test_opcheck_forward_on_the_gpu():
     spec = mok.torch.layer_spec(H, I, E, K, S)
     ws = [weights[n].requires_grad_() for n in ("w1", "w3", "w2", "shared_w1", "shared_w3", "shared_w2")]
     args = (x.requires_grad_(), idx, w.requires_grad_(), *ws, *[None] * 6, spec, 0, 0)
-    torch.library.opcheck(torch.ops.mok.moe_forward.default, args)
+    # The forward's second output is its context: an opaque byte buffer whose alignment gaps and
+    # unused capacity rows are never written (torch.empty), so opcheck's eager-vs-AOT comparison of
+    # every output cannot hold for it (seen on the H200, 2026-12-03). The schema, autograd
+    # registration and fake checks run as they are; y under AOT dispatch is checked below.
+    torch.library.opcheck(torch.ops.mok.moe_forward.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    eager = torch.ops.mok.moe_forward.default(*args)[0]
+    compiled = torch.compile(lambda *a: torch.ops.mok.moe_forward.default(*a)[0], backend="aot_eager",
+                             fullgraph=True)(*args)
+    assert torch.equal(compiled, eager)
 
 
 def test_contexts_live_in_torch_memory():

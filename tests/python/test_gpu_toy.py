@@ -27,5 +27,7 @@ def test_toy_model_trains_bitwise_reproducibly(mode, eager_losses):
     print(f"{mode}: {first}")
     assert first == second, f"{mode}: losses differ between two runs:\n{first}\n{second}"
     assert first[-1] < first[0], f"{mode}: the loss did not fall: {first}"
+    # as toy_model.main: the first step within 1e-3 of eager, the drifting trajectory within 3e-2
+    assert abs(first[0] - eager_losses[0]) / abs(eager_losses[0]) < 1e-3, f"{mode} vs eager, first step"
     worst = max(abs(a - b) / abs(b) for a, b in zip(first, eager_losses))
-    assert worst < 1e-2, f"{mode} vs eager: relative difference {worst:.2e}\n{first}\n{eager_losses}"
+    assert worst < 3e-2, f"{mode} vs eager: relative difference {worst:.2e}\n{first}\n{eager_losses}"
