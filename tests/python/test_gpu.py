@@ -382,9 +382,12 @@ def test_contexts_live_in_torch_memory():
     y = m(x, idx, w.clone().requires_grad_())
     shape = mok.LayerShape(tokens=T, hidden=H, intermediate=I, experts=E, topk=K, shared_intermediate=S)
     assert torch.cuda.memory_allocated() - before >= mok.context_bytes(shape)
-    assert mok.torch.memory_stats()["pending_contexts"] == pending + 1
+    # +1, or +0 when the new context took the address of a stale pending one (a forward of an
+    # earlier test whose backward never came: such entries are dropped on address reuse)
+    after = mok.torch.memory_stats()["pending_contexts"]
+    assert after in (pending, pending + 1)
     y.backward(dy_like(x))
-    assert mok.torch.memory_stats()["pending_contexts"] == pending
+    assert mok.torch.memory_stats()["pending_contexts"] == after - 1  # the backward consumed it
 
 
 def test_nccl_versions_match_in_a_torch_process():
