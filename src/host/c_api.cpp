@@ -65,11 +65,11 @@ mok::Config to_config(const mok_config_t* c) {
 mok::ExpertWeights to_weights(const mok_expert_weights_t* w) {
   require(w, "weights");
   auto b = [](const void* p) { return static_cast<const mok::bf16*>(p); };
-  return mok::ExpertWeights{b(w->gate),        b(w->up),
-                            b(w->down),        b(w->shared_gate),
-                            b(w->shared_up),   b(w->shared_down),
-                            w->gate_expert_stride, w->up_expert_stride,
-                            w->down_expert_stride};
+  mok::ExpertWeights e{b(w->gate), b(w->up), b(w->down), b(w->shared_gate), b(w->shared_up), b(w->shared_down)};
+  e.gate_expert_stride = w->gate_expert_stride;
+  e.up_expert_stride = w->up_expert_stride;
+  e.down_expert_stride = w->down_expert_stride;
+  return e;
 }
 
 mok::Workspace& deref(mok_workspace_t ws) {

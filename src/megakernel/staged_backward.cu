@@ -115,15 +115,6 @@ bf16* x_rows_of(comm::CommState& state, BackwardBuffers& bwd) {
   return bwd.x_rows.size() > 0 ? bwd.x_rows.get() : state.row_buffer();
 }
 
-// The GEMM launches of the backward: its grid, the workspace's GEMM error word, its timeout.
-gemm::Launch gemm_launch(ForwardBuffers& fwd, const StagedBackwardOptions& o) {
-  gemm::Launch l;
-  l.grid = o.gemm_grid;
-  l.error_flag = fwd.gemm_error.get();
-  l.timeout_s = o.timeout_s;
-  return l;
-}
-
 gemm::WgradOut wgrad_out(GradMode mode) {
   return mode == GradMode::kWriteBf16 ? gemm::WgradOut::kWriteBf16 : gemm::WgradOut::kAccumulateFp32;
 }
@@ -155,7 +146,7 @@ void check_grads(const LayerShape& s, const WeightGrads& g) {
 void run_gemm1(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& out,
                const bf16* x_rows, const ExpertWeights& w, const StagedBackwardOptions& o, cudaStream_t stream) {
   const LayerShape& s = state.shape();
-  const gemm::Launch launch = gemm_launch(fwd, o);
+  const gemm::Launch launch = gemm_launch(fwd, o.gemm_grid, o.timeout_s);
   if (s.has_shared()) {
     const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
     gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, fwd.shared_x.get(), w.shared_gate, w.shared_up,
@@ -235,7 +226,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const comm::ScheduleView& v = saved.schedule;
   const int64_t T = v.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;  // this call's T
   const int64_t R = bwd.buffer_rows;
-  const gemm::Launch launch = gemm_launch(fwd, o);
+  const gemm::Launch launch = gemm_launch(fwd, o.gemm_grid, o.timeout_s);
   const gemm::WgradOut mode = wgrad_out(grads.mode);
 
   // Shared expert: dy unscaled, its weight gradients over this rank's tokens. hs first: dg, du

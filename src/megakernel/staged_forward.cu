@@ -45,17 +45,9 @@ __global__ void check_weights_kernel(const float* topk_w, int64_t n, comm::Devic
 
 __global__ void set_word(int32_t* word, int32_t value) { *word = value; }
 
-gemm::Launch gemm_launch(ForwardBuffers& b, const StagedForwardOptions& o) {
-  gemm::Launch l;
-  l.grid = o.gemm_grid;
-  l.error_flag = b.gemm_error.get();
-  l.timeout_s = o.timeout_s;
-  return l;
-}
-
 void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeights& w, const bf16* rows,
                       const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
-  const gemm::Launch launch = gemm_launch(b, o);
+  const gemm::Launch launch = gemm_launch(b, o.gemm_grid, o.timeout_s);
   if (s.has_shared()) {  // first, as in the fused kernel (hides the dispatch there)
     const gemm::Segments seg{b.shared_offsets.get(), b.shared_rows_dev.get(), 1, b.shared_rows};
     gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, b.shared_x.get(), w.shared_gate, w.shared_up,
@@ -132,6 +124,14 @@ void convert_segments(comm::CommState& state, ForwardBuffers& b, cudaStream_t st
                                                  static_cast<int>(state.shape().local_experts()), b.seg_offsets.get(),
                                                  b.seg_rows.get());
   MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+gemm::Launch gemm_launch(ForwardBuffers& b, int grid, double timeout_s) {
+  gemm::Launch l;
+  l.grid = grid;
+  l.error_flag = b.gemm_error.get();
+  l.timeout_s = timeout_s;
+  return l;
 }
 
 void stage_shared_rows(ForwardBuffers& b, bf16* dst, const bf16* src, int64_t tokens, int64_t hidden,

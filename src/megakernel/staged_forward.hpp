@@ -11,6 +11,7 @@
 
 #include "comm/comm_state.hpp"
 #include "comm/device_buffer.hpp"
+#include "gemm/grouped_gemm.hpp"
 #include "megakernel/context.hpp"
 #include "mok/api.hpp"
 
@@ -79,6 +80,8 @@ int64_t resident_tile(const ForwardBuffers& buffers, int64_t tile, int64_t padde
 void convert_segments(comm::CommState& state, ForwardBuffers& buffers, cudaStream_t stream);
 // Records the first non-finite entry of topk_w [T, K] in the error record (poison_y_on_error
 // then poisons y; Workspace::check() throws kInvalidArgument naming it).
+// The staged launches' GEMM launch: `grid` CTAs (0 = every SM), the workspace's GEMM error word.
+gemm::Launch gemm_launch(ForwardBuffers& buffers, int grid, double timeout_s);
 void check_router_weights(comm::CommState& state, const float* topk_w, int64_t tokens, cudaStream_t stream);
 // A call of `tokens` (<= T) tokens: the shared expert's segment gets that many real rows, and its
 // row operand `dst` ([shared_rows, H]: ForwardBuffers::shared_x, BackwardBuffers::shared_dy) the

@@ -218,6 +218,14 @@ bool same_grads(const RankGrads& a, const RankGrads& b) {
          same_f32(a.sddown, b.sddown);
 }
 
+// Every rank's outputs of `got` equal `expect`'s bit for bit (`what` names the case).
+void expect_same_bits(const std::vector<RankGrads>& got, const std::vector<RankGrads>& expect, const std::string& what) {
+  ASSERT_EQ(got.size(), expect.size()) << what;
+  for (size_t r = 0; r < got.size(); ++r) EXPECT_TRUE(same_grads(got[r], expect[r])) << what << " rank " << r;
+}
+// EP sizes beyond the visible GPUs run as simulated ranks, unless those are switched off.
+bool can_run_ep(int ep) { return ep == 1 || simulating_ranks(ep) || gpu_count() >= ep; }
+
 struct RunOptions {
   GradMode mode = GradMode::kAccumulateFp32;
   int repeats = 1;
@@ -373,7 +381,7 @@ TEST_P(BackwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
   ro.repeats = 2;
   const auto got = run_backward(p, dy, bwd_config(s), ro);
   expect_matches_reference(c, p, dy, got[0]);
-  for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(got[1][r], got[0][r])) << c.name << " D1 rank " << r;
+  expect_same_bits(got[1], got[0], std::string(c.name) + " D1");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, BackwardVsReference,
@@ -444,7 +452,7 @@ TEST(BackwardDeterminism, D3EpSplitGivesTheSameBits) {
   std::vector<uint16_t> dx1;
   std::vector<float> dtopk1, dgate1, dup1, ddown1;
   for (int ep : {1, 2, 4, 8}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     const Problem p = resplit(p8, ep);
     const LayerShape& s = p.shape;
     std::vector<std::vector<uint16_t>> dy(ep);
@@ -478,7 +486,7 @@ TEST(BackwardDeterminism, D3EpSplitGivesTheSameBits) {
 TEST(BackwardContext, TwoLayersInterleavedGiveTheSameBits) {
   MOK_REQUIRE_RANKS(1);
   for (int ep : {1, 2}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     const BwdCase& c = bwd_cases()[0];
     const LayerShape s = with_ep(c.shape, ep);
     const Problem p = make_problem(s, c.pattern, 97);
@@ -488,7 +496,7 @@ TEST(BackwardContext, TwoLayersInterleavedGiveTheSameBits) {
     RunOptions ro;
     ro.second = &other;
     const auto interleaved = run_backward(p, dy, bwd_config(s), ro);
-    for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(interleaved[0][r], alone[0][r])) << "ep " << ep << " rank " << r;
+    expect_same_bits(interleaved[0], alone[0], "ep " + std::to_string(ep));
   }
 }
 
@@ -498,7 +506,7 @@ TEST(BackwardContext, TwoLayersInterleavedGiveTheSameBits) {
 TEST(BackwardRecompute, RoutingOnlyContextsGiveTheSameBits) {
   MOK_REQUIRE_RANKS(1);
   for (int ep : {1, 2}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     const BwdCase& c = bwd_cases()[0];  // T 200, shared expert
     const LayerShape s = with_ep(c.shape, ep);
     const Problem p = make_problem(s, c.pattern, 301);
@@ -513,7 +521,7 @@ TEST(BackwardRecompute, RoutingOnlyContextsGiveTheSameBits) {
     int which = 0;
     for (const RunOptions* ro : {&routing_only, &not_saved, &refilled}) {
       const auto got = run_backward(p, dy, bwd_config(s), *ro);
-      for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(got[0][r], kept[0][r])) << "ep " << ep << " variant " << which;
+      expect_same_bits(got[0], kept[0], "ep " + std::to_string(ep) + " variant " + std::to_string(which));
       ++which;
     }
   }
@@ -525,7 +533,7 @@ TEST(BackwardRecompute, MacrobatchRingGivesTheSameBits) {
     GTEST_SKIP() << "MOK_FORWARD_PATH=staged: workspaces keep every routed row (the ring is the fused forward's)";
   }
   for (int ep : {1, 2}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     const BwdCase& c = bwd_cases()[2];  // top-8, E 16, shared expert
     const LayerShape s = with_ep(c.shape, ep);
     const Problem p = make_problem(s, c.pattern, 303);
@@ -537,7 +545,7 @@ TEST(BackwardRecompute, MacrobatchRingGivesTheSameBits) {
     ring.macrobatch = 256;  // two minibatches: below the routed buffer, so a ring
     ASSERT_LT(ring.resident_routed_rows(s), ring.buffer_rows_per_rank(s));
     const auto got = run_backward(p, dy, ring, {});
-    for (int r = 0; r < ep; ++r) EXPECT_TRUE(same_grads(got[0][r], kept[0][r])) << "ep " << ep << " rank " << r;
+    expect_same_bits(got[0], kept[0], "ep " + std::to_string(ep));
   }
 }
 
@@ -546,7 +554,7 @@ TEST(BackwardRecompute, MacrobatchRingGivesTheSameBits) {
 TEST(BackwardDeferredWgrad, SplitCallGivesTheSameBits) {
   MOK_REQUIRE_RANKS(1);
   for (int ep : {1, 2}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     for (int which : {0, 2}) {  // shared expert on; top-8
       const BwdCase& c = bwd_cases()[which];
       const LayerShape s = with_ep(c.shape, ep);
@@ -561,9 +569,7 @@ TEST(BackwardDeferredWgrad, SplitCallGivesTheSameBits) {
         split.defer = true;
         split.second = &other;
         const auto got = run_backward(p, dy, bwd_config(s), split);
-        for (int r = 0; r < ep; ++r) {
-          EXPECT_TRUE(same_grads(got[0][r], expect[0][r])) << c.name << " ep " << ep << " mode " << int(mode);
-        }
+        expect_same_bits(got[0], expect[0], std::string(c.name) + " ep " + std::to_string(ep) + " mode " + std::to_string(int(mode)));
       }
     }
   }
@@ -575,7 +581,7 @@ TEST(BackwardDeferredWgrad, SplitCallGivesTheSameBits) {
 TEST(BackwardExpertStrides, HuggingFaceLayoutGivesTheDenseBits) {
   MOK_REQUIRE_RANKS(1);
   for (int ep : {1, 2}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     const BwdCase& c = bwd_cases()[0];
     const LayerShape s = with_ep(c.shape, ep);
     const Problem p = make_problem(s, c.pattern, 431);
@@ -587,9 +593,7 @@ TEST(BackwardExpertStrides, HuggingFaceLayoutGivesTheDenseBits) {
       RunOptions hf = dense;
       hf.strided_experts = true;
       const auto got = run_backward(p, dy, bwd_config(s), hf);
-      for (int r = 0; r < ep; ++r) {
-        EXPECT_TRUE(same_grads(got[0][r], expect[0][r])) << c.name << " ep " << ep << " mode " << int(mode);
-      }
+      expect_same_bits(got[0], expect[0], std::string(c.name) + " ep " + std::to_string(ep) + " mode " + std::to_string(int(mode)));
     }
   }
 }
@@ -600,7 +604,7 @@ TEST(BackwardExpertStrides, HuggingFaceLayoutGivesTheDenseBits) {
 TEST(BackwardShortCalls, FewerTokensThanTheWorkspaceGiveTheExactWorkspaceBits) {
   MOK_REQUIRE_RANKS(1);
   for (int ep : {1, 2}) {
-    if (ep > 1 && !simulating_ranks(ep) && gpu_count() < ep) continue;
+    if (!can_run_ep(ep)) continue;
     for (int which : {0, 2}) {  // shared expert on; top-8
       const BwdCase& c = bwd_cases()[which];
       const LayerShape s = with_ep(c.shape, ep);
@@ -620,10 +624,8 @@ TEST(BackwardShortCalls, FewerTokensThanTheWorkspaceGiveTheExactWorkspaceBits) {
           LayerShape big = s;
           big.tokens = ws_tokens;
           const auto got = run_backward(p, dy, bwd_config(big), shorter);
-          for (int r = 0; r < ep; ++r) {
-            EXPECT_TRUE(same_grads(got[0][r], expect[0][r]))
-                << c.name << " ep " << ep << " mode " << int(mode) << " workspace T " << ws_tokens;
-          }
+          expect_same_bits(got[0], expect[0], std::string(c.name) + " ep " + std::to_string(ep) + " mode " +
+                                                  std::to_string(int(mode)) + " workspace T " + std::to_string(ws_tokens));
           if (mode == GradMode::kAccumulateFp32 && ws_tokens == 3 * s.tokens) expect_matches_reference(c, p, dy, got[0]);
         }
       }

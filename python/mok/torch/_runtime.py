@@ -281,35 +281,31 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
+def _set_experts(c, spec: LayerSpec, gate, up, down, shared_gate, shared_up, shared_down, fused: bool):
+    """The six pointers of an ExpertWeightsC / WeightGradsC. fused: `gate` is Hugging Face's
+    [E, 2I, H] (gate rows, then up rows, per expert; `up` unused), reached through expert strides."""
+    if fused:
+        ih = spec.intermediate * spec.hidden
+        c.gate = gate.data_ptr()
+        c.up = gate.data_ptr() + ih * gate.element_size()
+        c.gate_expert_stride = c.up_expert_stride = 2 * ih
+    else:
+        c.gate, c.up = gate.data_ptr(), up.data_ptr()
+    c.down = down.data_ptr()
+    c.shared_gate, c.shared_up, c.shared_down = _ptr(shared_gate), _ptr(shared_up), _ptr(shared_down)
+    return c
+
+
 def weights_c(spec: LayerSpec, w_gate, w_up, w_down, shared_gate, shared_up, shared_down) -> _lib.ExpertWeightsC:
     """w_up None: w_gate is Hugging Face's fused [E, 2I, H] (gate rows, then up rows, per expert)."""
-    w = _lib.ExpertWeightsC()
-    if w_up is None:
-        ih = spec.intermediate * spec.hidden
-        w.gate = w_gate.data_ptr()
-        w.up = w_gate.data_ptr() + ih * w_gate.element_size()
-        w.gate_expert_stride = w.up_expert_stride = 2 * ih
-    else:
-        w.gate, w.up = w_gate.data_ptr(), w_up.data_ptr()
-    w.down = w_down.data_ptr()
-    w.shared_gate, w.shared_up, w.shared_down = _ptr(shared_gate), _ptr(shared_up), _ptr(shared_down)
-    return w
+    return _set_experts(_lib.ExpertWeightsC(), spec, w_gate, w_up, w_down, shared_gate, shared_up, shared_down,
+                        fused=w_up is None)
 
 
 def grads_c(spec: LayerSpec, buffers: list, accumulate: bool, fused: bool) -> _lib.WeightGradsC:
     g = _lib.WeightGradsC()
     g.accumulate_fp32 = 1 if accumulate else 0
-    gate, up, down, sgate, sup, sdown = buffers
-    if fused:
-        ih = spec.intermediate * spec.hidden
-        g.gate = gate.data_ptr()
-        g.up = gate.data_ptr() + ih * gate.element_size()
-        g.gate_expert_stride = g.up_expert_stride = 2 * ih
-    else:
-        g.gate, g.up = gate.data_ptr(), up.data_ptr()
-    g.down = down.data_ptr()
-    g.shared_gate, g.shared_up, g.shared_down = _ptr(sgate), _ptr(sup), _ptr(sdown)
-    return g
+    return _set_experts(g, spec, *buffers, fused=fused)
 
 
 def _stream(device: torch.device) -> ctypes.c_void_p:
