@@ -56,6 +56,7 @@ WaitContext CommState::wait_context() const {
 }
 
 void CommState::schedule(const int32_t* topk_idx, int64_t tokens, cudaStream_t stream) {
+  check_schedule_tokens(shape_, tokens);  // before the epoch and the parity below move
   ScheduleLaunch l;
   l.shape = shape_;
   l.peers = peers();

@@ -413,11 +413,15 @@ ScheduleView ScheduleBuffers::view() const {
   return v;
 }
 
+void check_schedule_tokens(const LayerShape& s, int64_t tokens) {
+  if (tokens < 1 || tokens > s.tokens) {
+    throw_invalid("tokens", "1 <= tokens <= LayerShape.tokens (" + std::to_string(s.tokens) + ")", std::to_string(tokens));
+  }
+}
+
 void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t stream) {
   const LayerShape& s = l.shape;
-  if (l.tokens < 1 || l.tokens > s.tokens) {
-    throw_invalid("tokens", "1 <= tokens <= LayerShape.tokens (" + std::to_string(s.tokens) + ")", std::to_string(l.tokens));
-  }
+  check_schedule_tokens(s, l.tokens);
   const int64_t per_rank = l.tokens * s.topk;
   const int rank = l.peers.rank;
   b.call_tokens = l.tokens;

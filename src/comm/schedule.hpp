@@ -116,6 +116,9 @@ struct ScheduleLaunch {
   WaitContext wait;
 };
 
+// Throws kInvalidArgument unless 1 <= tokens <= s.tokens (before any state changes: callers check
+// first, so a refused call consumes no barrier epoch and flips no table parity).
+void check_schedule_tokens(const LayerShape& s, int64_t tokens);
 void launch_schedule(const ScheduleLaunch& launch, ScheduleBuffers& buffers, cudaStream_t stream);
 
 }  // namespace mok::comm

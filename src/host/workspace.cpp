@@ -165,10 +165,6 @@ void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream) {
 }
 
 void schedule(Workspace& ws, const int32_t* topk_idx, int64_t tokens, cudaStream_t stream) {
-  const int64_t T = ws.shape().tokens;
-  if (tokens < 1 || tokens > T) {
-    throw_invalid("tokens", "1 <= tokens <= LayerShape.tokens (" + std::to_string(T) + ")", std::to_string(tokens));
-  }
   if (topk_idx == nullptr) throw_invalid("topk_idx", "a device pointer to [T, K] int32 expert ids", "nullptr");
   Workspace::Impl& impl = ws.impl();
   DeviceGuard guard(impl.device);

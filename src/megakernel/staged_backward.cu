@@ -167,7 +167,7 @@ void recompute_activations(comm::CommState& state, ForwardBuffers& fwd, Backward
   const LayerShape& s = state.shape();
   const comm::ScheduleView& v = saved.schedule;
   state.stage_x(x, v.tokens, stream);
-  stage_shared_rows(fwd, s.has_shared() ? fwd.shared_x.get() : nullptr, x, v.tokens, s.hidden, stream);
+  if (s.has_shared()) stage_shared_rows(fwd, v.tokens, s.hidden, {{fwd.shared_x.get(), x}}, stream);
   bf16* const x_rows = x_rows_of(state, bwd);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, state.layout().x, x_rows), stream);
   run_gemm1(state, fwd, bwd, out, x_rows, w, o, stream);
@@ -303,8 +303,9 @@ void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
                                    cudaMemcpyDeviceToDevice, stream));
   }
   // The shared expert's segment: T real rows (set per call: another layer may have run another T).
-  stage_shared_rows(fwd, s.has_shared() ? fwd.shared_x.get() : nullptr, args.x, T, H, stream);
-  if (s.has_shared()) stage_shared_rows(fwd, bwd.shared_dy.get(), args.dy, T, H, stream);
+  if (s.has_shared()) {
+    stage_shared_rows(fwd, T, H, {{fwd.shared_x.get(), args.x}, {bwd.shared_dy.get(), args.dy}}, stream);
+  }
   bf16* const x_rows = x_rows_of(state, bwd);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows), stream);
   comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);

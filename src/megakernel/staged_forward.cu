@@ -134,15 +134,18 @@ gemm::Launch gemm_launch(ForwardBuffers& b, int grid, double timeout_s) {
   return l;
 }
 
-void stage_shared_rows(ForwardBuffers& b, bf16* dst, const bf16* src, int64_t tokens, int64_t hidden,
-                       cudaStream_t stream) {
+void stage_shared_rows(ForwardBuffers& b, int64_t tokens, int64_t hidden,
+                       std::initializer_list<std::pair<bf16*, const bf16*>> rows, cudaStream_t stream) {
   // A kernel, not a host-to-device copy: stream-ordered and capturable into a CUDA graph.
   set_word<<<1, 1, 0, stream>>>(b.shared_rows_dev.get(), static_cast<int32_t>(tokens));
   MOK_CUDA_CHECK(cudaGetLastError());
-  if (dst == nullptr) return;
   const size_t row = static_cast<size_t>(hidden) * sizeof(bf16);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(dst, src, tokens * row, cudaMemcpyDeviceToDevice, stream));
-  if (tokens < b.shared_rows) MOK_CUDA_CHECK(cudaMemsetAsync(dst + tokens * hidden, 0, (b.shared_rows - tokens) * row, stream));
+  for (const auto& [dst, src] : rows) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(dst, src, tokens * row, cudaMemcpyDeviceToDevice, stream));
+    if (tokens < b.shared_rows) {
+      MOK_CUDA_CHECK(cudaMemsetAsync(dst + tokens * hidden, 0, (b.shared_rows - tokens) * row, stream));
+    }
+  }
 }
 
 void check_router_weights(comm::CommState& state, const float* topk_w, int64_t tokens, cudaStream_t stream) {
@@ -169,7 +172,7 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
   check_router_weights(state, args.topk_w, T, stream);
   convert_segments(state, b, stream);
   state.stage_x(args.x, T, stream);
-  stage_shared_rows(b, s.has_shared() ? b.shared_x.get() : nullptr, args.x, T, s.hidden, stream);
+  if (s.has_shared()) stage_shared_rows(b, T, s.hidden, {{b.shared_x.get(), args.x}}, stream);
   state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
   run_expert_gemms(s, b, w, state.row_buffer(), o, save, stream);
   state.combine(b.expert_out.get(), o.combine_ctas, /*own_rows_in_place=*/true, stream);

@@ -8,6 +8,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #include "comm/comm_state.hpp"
 #include "comm/device_buffer.hpp"
@@ -83,11 +85,12 @@ void convert_segments(comm::CommState& state, ForwardBuffers& buffers, cudaStrea
 // The staged launches' GEMM launch: `grid` CTAs (0 = every SM), the workspace's GEMM error word.
 gemm::Launch gemm_launch(ForwardBuffers& buffers, int grid, double timeout_s);
 void check_router_weights(comm::CommState& state, const float* topk_w, int64_t tokens, cudaStream_t stream);
-// A call of `tokens` (<= T) tokens: the shared expert's segment gets that many real rows, and its
-// row operand `dst` ([shared_rows, H]: ForwardBuffers::shared_x, BackwardBuffers::shared_dy) the
-// rows of `src` [tokens, H] with zero rows after them (the zero padding rows the GEMMs expect).
-void stage_shared_rows(ForwardBuffers& buffers, bf16* dst, const bf16* src, int64_t tokens, int64_t hidden,
-                       cudaStream_t stream);
+// The shared expert's operands for a call of `tokens` (<= T) tokens: its segment gets that many
+// real rows, and each (dst, src) pair's row operand dst ([shared_rows, H]: ForwardBuffers::shared_x,
+// BackwardBuffers::shared_dy) the rows of src [tokens, H] with zero rows after them (the zero
+// padding rows the GEMMs expect). Only for layers with a shared expert.
+void stage_shared_rows(ForwardBuffers& buffers, int64_t tokens, int64_t hidden,
+                       std::initializer_list<std::pair<bf16*, const bf16*>> rows, cudaStream_t stream);
 // y = NaN (0xFFFF) when the schedule was poisoned, a router weight was not finite or a wait of
 // this rank timed out: never silently wrong (Workspace::check() throws the reason).
 void poison_y_on_error(comm::CommState& state, bf16* y, int64_t tokens, cudaStream_t stream);
