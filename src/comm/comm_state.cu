@@ -32,7 +32,7 @@ CommState::CommState(const LayerShape& shape, const Config& config, std::unique_
                   std::to_string(row_buffer_rows));
   }
   row_buffer_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(row_buffer_rows_) * shape.hidden);
-  counters_ = DeviceBuffer<uint32_t>(schedule_->max_minibatches + schedule_->buffer_rows / kRowTile);
+  counters_ = DeviceBuffer<uint32_t>(schedule_->max_minibatches + schedule_->buffer_rows / kRowTile + 1);
   syncs_ = DeviceBuffer<GroupSync>(static_cast<size_t>(SyncSite::kCount));
   error_ = DeviceBuffer<DeviceErrorRecord>(1);
   MOK_CUDA_CHECK(cudaMemset(syncs_.get(), 0, syncs_.bytes()));
@@ -56,18 +56,16 @@ WaitContext CommState::wait_context() const {
 }
 
 void CommState::schedule(const int32_t* topk_idx, int64_t tokens, cudaStream_t stream) {
-  check_schedule_tokens(shape_, tokens);  // before the epoch and the parity below move
+  check_schedule_tokens(shape_, tokens);
   ScheduleLaunch l;
   l.shape = shape_;
   l.peers = peers();
   l.layout = layout_;
   l.topk_idx = topk_idx;
   l.tokens = tokens;
-  l.parity = parity_;
   l.max_rows = config_.max_rows_per_rank(shape_);
-  l.barrier = GroupBarrier{sync(SyncSite::kExchange), layout_.flags, next_epoch()};
+  l.barrier = barrier(SyncSite::kExchange);
   l.wait = wait_context();
-  parity_ ^= 1;  // the next pass writes the other table while slow peers may still read this one
   launch_schedule(l, *schedule_, stream);
 }
 
@@ -130,7 +128,7 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup) {
   }
   DispatchLaunch l;
   l.role = dispatch_role(dedup);
-  l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
+  l.start = barrier(SyncSite::kDispatchStart);
   l.ctas = ctas;
   l.counters = counters_.get();
   l.counter_words = counters_.size();
@@ -143,7 +141,7 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, const ScheduleVi
   l.role = dispatch_role(dedup, v);
   l.role.x_offset = src_offset;
   l.role.row_buffer = reinterpret_cast<char*>(dst);
-  l.start = GroupBarrier{sync(SyncSite::kDispatchStart), layout_.flags, next_epoch()};
+  l.start = barrier(SyncSite::kDispatchStart);
   l.ctas = ctas;
   l.counters = counters_.get();
   l.counter_words = counters_.size();
@@ -157,7 +155,7 @@ void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {
 CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int ctas, bool own_rows_in_place) {
   CombineLaunch l;
   l.role = combine_role(expert_out, own_rows_in_place);
-  l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
+  l.done = barrier(SyncSite::kCombineDone);
   l.ctas = ctas;
   return l;
 }
@@ -166,7 +164,7 @@ CombineLaunch CommState::combine_launch(const __nv_bfloat16* expert_out, int cta
                                        const ScheduleView& v) {
   CombineLaunch l;
   l.role = combine_role(expert_out, own_rows_in_place, v);
-  l.done = GroupBarrier{sync(SyncSite::kCombineDone), layout_.flags, next_epoch()};
+  l.done = barrier(SyncSite::kCombineDone);
   l.ctas = ctas;
   return l;
 }

@@ -1,6 +1,7 @@
 // Everything one rank of the communication layer owns, and its operations on a stream
 // (Workspace::Impl holds one). All operations are collective in the sense that every rank
-// issues the same sequence: each one that synchronises ranks consumes one barrier epoch.
+// issues the same sequence: each one that synchronises ranks runs one round of its barrier
+// site, counted on the device (barrier.cuh), so captured CUDA graphs replay safely.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,8 +25,15 @@
 
 namespace mok::comm {
 
-// Group-barrier sites (one GroupSync each); the fused kernel gets its own range.
-enum class SyncSite : int { kExchange = 0, kDispatchStart = 1, kCombineDone = 2, kFirstFree = 3, kCount = 8 };
+// Group-barrier sites: one GroupSync and one flag array each, each counting its own rounds.
+enum class SyncSite : int {
+  kExchange = 0,            // the schedule's routing-table exchange
+  kDispatchStart = 1,       // standalone dispatch (staged forward, the backward's pulls)
+  kCombineDone = 2,         // standalone combine
+  kFusedDispatchStart = 3,  // the fused forward's start
+  kFusedCombineDone = 4,    // the fused forward's combine
+  kCount = kBarrierSites,
+};
 
 class CommState {
  public:
@@ -53,8 +61,8 @@ class CommState {
   // Barrier (x staged everywhere), then pull every routed row into row_buffer().
   void dispatch(int ctas, bool dedup, cudaStream_t stream);
   // The launch descriptors behind dispatch()/combine(), for callers that adjust a role (tests,
-  // benchmarks) before launch_dispatch/launch_combine. Each consumes one barrier epoch: launch
-  // it exactly once, on every rank.
+  // benchmarks) before launch_dispatch/launch_combine. Each runs one round of its barrier
+  // site: launch it exactly once, on every rank.
   DispatchLaunch dispatch_launch(int ctas, bool dedup);
   // The same over a saved routing table (a layer's forward context, src/megakernel/context.hpp),
   // pulling from window region `src_offset` ([T, H] bf16: SymmetricLayout::x or ::dy) into `dst`
@@ -62,7 +70,7 @@ class CommState {
   // backward's pulls of x and dy.
   DispatchLaunch dispatch_launch(int ctas, bool dedup, const ScheduleView& view, size_t src_offset,
                                  __nv_bfloat16* dst);
-  // The roles alone (no barrier epoch consumed): what dispatch_launch / combine_launch carry,
+  // The roles alone (no barrier): what dispatch_launch / combine_launch carry,
   // and what the fused kernel runs beside its own barriers.
   DispatchRole dispatch_role(bool dedup);
   DispatchRole dispatch_role(bool dedup, const ScheduleView& view);
@@ -117,11 +125,18 @@ class CommState {
   bool row_buffer_is_ring() const { return row_buffer_rows_ < schedule_->buffer_rows; }
   uint32_t* ready_counters() const { return counters_.get(); }  // [max_minibatches]
   uint32_t* tile_flags() const { return counters_.get() + schedule_->max_minibatches; }
+  // One word after the tile flags: zeroed with the counters before a fused pass, set to 1 when its
+  // start barrier opens (GroupBarrier::open_flag).
+  uint32_t* pass_open_flag() const {
+    return counters_.get() + schedule_->max_minibatches + schedule_->buffer_rows / kRowTile;
+  }
   GroupSync* sync(SyncSite site) const { return syncs_.get() + static_cast<int>(site); }
+  // The barrier of `site` (its GroupSync and flag array; rounds are counted on the device).
+  GroupBarrier barrier(SyncSite site) const {
+    return GroupBarrier{sync(site), layout_.site_flags(static_cast<int>(site)), nullptr};
+  }
   DeviceErrorRecord* error_record() const { return error_.get(); }
   WaitContext wait_context() const;
-  // Next barrier epoch (host counter; identical on every rank that issues the same calls).
-  uint64_t next_epoch() { return ++epoch_; }
 
  private:
   LayerShape shape_;
@@ -135,8 +150,6 @@ class CommState {
   DeviceBuffer<GroupSync> syncs_;
   DeviceBuffer<DeviceErrorRecord> error_;
   int64_t row_buffer_rows_ = 0;
-  uint64_t epoch_ = 0;
-  int parity_ = 0;
 };
 
 }  // namespace mok::comm

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "comm/sync_types.hpp"
 #include "mok/shape.hpp"
 
 #if defined(__CUDACC__)
@@ -29,8 +30,8 @@ struct PeerMap {
 };
 
 // Byte offsets of the regions inside the symmetric window (identical on every rank).
-//   flags        uint64 [kMaxEp]        phase-barrier epochs, slot s written by rank s
-//   topk[2]      int32  [ep][T*K]       exchanged routing tables, double-buffered by schedule parity
+//   flags        uint64 [sites][kMaxEp] phase-barrier rounds per barrier site, slot s written by rank s
+//   topk[2]      int32  [ep][T*K]       exchanged routing tables, double-buffered by exchange round parity
 //   x            bf16   [T, H]          staged (or zero-copy) tokens that peers pull in dispatch
 //   slots        bf16   [T, K, H]       combine slots (token, k), pushed by the expert owners
 //   arrivals     uint32 [T]             rows pushed into token t's slots this pass (the fused
@@ -51,6 +52,9 @@ struct SymmetricLayout {
   size_t dtopk = 0;
   size_t total = 0;
 
+  // The flag array of barrier site `site` (kBarrierSites of them, kMaxEp slots each).
+  MOK_HD size_t site_flags(int site) const { return flags + static_cast<size_t>(site) * kMaxEp * sizeof(uint64_t); }
+
   static SymmetricLayout make(const LayerShape& s) {
     SymmetricLayout l;
     size_t at = 0;
@@ -61,7 +65,7 @@ struct SymmetricLayout {
     };
     const size_t table = static_cast<size_t>(s.ep) * s.tokens * s.topk * sizeof(int32_t);
     const size_t row = static_cast<size_t>(s.hidden) * 2;
-    l.flags = take(kMaxEp * sizeof(uint64_t));
+    l.flags = take(static_cast<size_t>(kBarrierSites) * kMaxEp * sizeof(uint64_t));
     l.topk[0] = take(table);
     l.topk[1] = take(table);
     l.x = take(static_cast<size_t>(s.tokens) * row);

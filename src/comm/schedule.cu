@@ -27,7 +27,7 @@ __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + 
 // ---- 1. exchange ---------------------------------------------------------------------------
 struct ExchangeParams {
   PeerMap peers;
-  size_t table_offset;   // layout.topk[parity]
+  size_t table_offset[2];  // layout.topk: the exchange round's parity picks one
   const int32_t* topk_idx;
   int64_t entries;       // Tc*K of one rank
   int64_t slot_entries;  // T*K: the slot's size (kEndOfTokens at `entries` when smaller)
@@ -35,12 +35,19 @@ struct ExchangeParams {
   WaitContext wait;
 };
 
+// The routing-table buffer of the exchange round `round` (1, 2, ...): tables alternate so that a
+// rank already writing the next round's never overwrites one a slow peer still reads.
+__device__ __forceinline__ int table_parity(uint64_t round) { return static_cast<int>(round & 1u); }
+
 __global__ void __launch_bounds__(kThreads) exchange_kernel(const ExchangeParams p) {
+  // NOTE: every thread reads the round before its CTA arrives at the barrier below (the
+  // group_barrier's bar.sync orders it), and the round moves only once every CTA arrived.
+  const size_t table_offset = p.table_offset[table_parity(barrier_round(p.barrier.sync))];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t slot_bytes = static_cast<size_t>(p.slot_entries) * sizeof(int32_t);
   for (int peer = 0; peer < p.peers.ep; ++peer) {
-    char* dst = p.peers.base[peer] + p.table_offset + static_cast<size_t>(p.peers.rank) * slot_bytes;
+    char* dst = p.peers.base[peer] + table_offset + static_cast<size_t>(p.peers.rank) * slot_bytes;
     // 16-byte vectors when both ends allow (a slot of T*K entries not a multiple of 4 leaves the
     // slots of ranks >= 1 only 4- or 8-byte aligned).
     const bool vector = (p.entries % 4 == 0) && (reinterpret_cast<uintptr_t>(p.topk_idx) % 16 == 0) &&
@@ -60,7 +67,8 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(const ExchangeParams
 
 // ---- 2. keys and validation ----------------------------------------------------------------
 struct KeyParams {
-  const int32_t* table;  // this rank's copy of the global table [ep*T*K]
+  const int32_t* tables[2];  // this rank's copies of the global table [ep*T*K] (layout.topk)
+  const GroupSync* exchange;  // the exchange barrier's site: its last round picks the table
   int64_t entries;       // ep*T*K
   int topk;
   int64_t experts, local_experts;
@@ -81,7 +89,8 @@ __device__ inline unsigned long long routing_key(int64_t item, RoutingErrorKind 
 }
 
 __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owner_count) {
-  const int32_t id = p.table[i];
+  const int32_t* table = p.tables[table_parity(p.exchange->opened)];  // the exchange before this kernel
+  const int32_t id = table[i];
   const int k = static_cast<int>(i % p.topk);
   const int64_t slot_entries = p.tokens * p.topk, in_slot = i % slot_entries;
   const bool present = in_slot < p.call_tokens * p.topk;
@@ -92,7 +101,7 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
     atomicMin(&p.error->routing_key, routing_key(i, RoutingErrorKind::kBadId, id));
   } else if (present) {
     for (int j = 0; j < k; ++j) {
-      if (p.table[i - k + j] == id) {
+      if (table[i - k + j] == id) {
         atomicMin(&p.error->routing_key, routing_key(i, RoutingErrorKind::kDuplicate, id));
         ok = false;
         break;
@@ -115,7 +124,7 @@ __device__ inline void key_one(const KeyParams& p, int64_t i, unsigned int* owne
     if (present) {
       key = 0;
       for (int j = 0; j < p.topk; ++j) {
-        const int32_t e = p.table[i + j];
+        const int32_t e = table[i + j];
         if (e >= 0 && e < p.experts) key = max(key, static_cast<int32_t>(e % p.local_experts));
       }
     }
@@ -426,14 +435,15 @@ void launch_schedule(const ScheduleLaunch& l, ScheduleBuffers& b, cudaStream_t s
   const int rank = l.peers.rank;
   b.call_tokens = l.tokens;
 
-  ExchangeParams ex{l.peers, l.layout.topk[l.parity], l.topk_idx, per_rank, s.tokens * s.topk, l.barrier, l.wait};
+  ExchangeParams ex{l.peers, {l.layout.topk[0], l.layout.topk[1]}, l.topk_idx, per_rank, s.tokens * s.topk,
+                    l.barrier, l.wait};
   const unsigned ex_ctas = static_cast<unsigned>(std::min<int64_t>(ceil_div(per_rank, kThreads * 4), kMaxExchangeCtas));
   exchange_kernel<<<std::max(ex_ctas, 1u), kThreads, 0, stream>>>(ex);
   MOK_CUDA_CHECK(cudaGetLastError());
 
-  const int32_t* table = reinterpret_cast<const int32_t*>(l.peers.base[rank] + l.layout.topk[l.parity]);
+  auto table = [&](int parity) { return reinterpret_cast<const int32_t*>(l.peers.base[rank] + l.layout.topk[parity]); };
   MOK_CUDA_CHECK(cudaMemsetAsync(b.owner_rows.get(), 0, b.owner_rows.bytes(), stream));
-  KeyParams kp{table, b.entries, s.topk, s.experts, s.local_experts(), rank,
+  KeyParams kp{{table(0), table(1)}, l.barrier.sync, b.entries, s.topk, s.experts, s.local_experts(), rank,
                b.keys_in.get(), b.vals_in.get(), b.owner_rows.get(), s.ep, l.wait.error,
                s.tokens, l.tokens, b.token_key.get()};
   key_kernel<<<grid_for(b.entries, kThreads), kThreads, 0, stream>>>(kp);

@@ -110,14 +110,12 @@ struct ScheduleLaunch {
   SymmetricLayout layout;
   const int32_t* topk_idx = nullptr;  // this rank's [tokens, K], device
   int64_t tokens = 0;                 // Tc: this call's tokens, 1..shape.tokens
-  int parity = 0;                     // routing-table buffer of this pass (alternates)
   int64_t max_rows = 0;               // Config::max_rows_per_rank (real rows)
   GroupBarrier barrier;               // the exchange barrier
   WaitContext wait;
 };
 
-// Throws kInvalidArgument unless 1 <= tokens <= s.tokens (before any state changes: callers check
-// first, so a refused call consumes no barrier epoch and flips no table parity).
+// Throws kInvalidArgument unless 1 <= tokens <= s.tokens (callers check before anything is enqueued).
 void check_schedule_tokens(const LayerShape& s, int64_t tokens);
 void launch_schedule(const ScheduleLaunch& launch, ScheduleBuffers& buffers, cudaStream_t stream);
 

@@ -25,17 +25,7 @@ __device__ inline bool group_barrier_all(const comm::GroupBarrier& gb, uint32_t 
                                          const comm::WaitContext& ctx) {
   __syncthreads();
   int ok = 1;
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // NOTE: this CTA's writes (ordered by the bar.sync above) before arrival
-    const uint32_t before = comm::fetch_add_acq_rel<comm::Scope::kGpu>(&gb.sync->arrived, 1u);
-    if (before == nctas - 1) {
-      gb.sync->arrived = 0;  // nobody touches the counter again before `opened` moves
-      ok = comm::phase_barrier(peers, gb.flags_offset, gb.epoch, ctx);
-      if (ok) comm::store_release<comm::Scope::kGpu>(&gb.sync->opened, gb.epoch);
-    } else {
-      ok = comm::wait_geq<comm::Scope::kGpu>(&gb.sync->opened, gb.epoch, comm::WaitSite::kGroupArrive, ctx);
-    }
-  }
+  if (threadIdx.x == 0) ok = comm::group_arrive_and_wait(gb, nctas, peers, ctx) ? 1 : 0;
   return __syncthreads_and(ok) != 0;
 }
 

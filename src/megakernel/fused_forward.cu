@@ -69,8 +69,7 @@ __device__ void gemm_cta_help_dispatch(const FusedForwardParams& p, int cta, int
   constexpr int kConsumerWarps = Cfg::kConsumerThreads / 32;
   int ok = 1;
   if (threadIdx.x % 32 == 0) {
-    ok = comm::wait_geq<comm::Scope::kGpu>(&p.dispatch_start.sync->opened, p.dispatch_start.epoch,
-                                           comm::WaitSite::kGroupArrive, p.wait);
+    ok = comm::wait_geq<comm::Scope::kGpu>(p.dispatch_start.open_flag, 1u, comm::WaitSite::kGroupArrive, p.wait);
   }
   if (__shfl_sync(0xffffffffu, ok, 0) == 0) return;  // recorded; y is poisoned, the tasks still end
   const int warp = (threadIdx.x - gemm::kWarpGroupThreads) / 32;
@@ -411,13 +410,11 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
     t.y = reinterpret_cast<char*>(args.y);
     t.next_unit = p.s2_done + shared_tiles;
   }
-  // Barrier epochs in the order every rank issues them (every rank runs the same options).
-  p.dispatch_start = comm::GroupBarrier{state.sync(comm::SyncSite::kFirstFree), state.layout().flags, state.next_epoch()};
-  if (!o.fused_topk_sum && p.combine_ctas > 0) {
-    p.combine_done = comm::GroupBarrier{
-        state.sync(static_cast<comm::SyncSite>(static_cast<int>(comm::SyncSite::kFirstFree) + 1)),
-        state.layout().flags, state.next_epoch()};
-  }
+  // The GEMM CTAs that help the dispatch wait for the start barrier without taking part: its
+  // open flag (zeroed with the ready counters before the kernel) tells them.
+  p.dispatch_start = state.barrier(comm::SyncSite::kFusedDispatchStart);
+  p.dispatch_start.open_flag = state.pass_open_flag();
+  if (!o.fused_topk_sum && p.combine_ctas > 0) p.combine_done = state.barrier(comm::SyncSite::kFusedCombineDone);
   return p;
 }
 
@@ -531,7 +528,8 @@ void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs&
   check_router_weights(state, args.topk_w, T, stream);
   convert_segments(state, b, stream);
   if (!plan.x_in_place) state.stage_x(args.x, T, stream);
-  const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile;  // ready counters + tile row counts
+  // ready counters, tile row counts and the dispatch start's open flag
+  const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile + 1;
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(b.tile_counters.get(), 0, b.tile_counters.bytes(), stream));
   if (o.fused_topk_sum) {

@@ -738,5 +738,91 @@ TEST(BackwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsDx) {
   });
 }
 
+
+// A training step (schedule, forward, backward) captured in a CUDA graph replays with the bits of
+// eager calls, at EP 1 and 2, with new inputs copied into the captured buffers before each replay
+// (inputs A, B, A, B) and rank 1 held back before each replay: a barrier must wait anew on every
+// replay (its rounds are counted on the device). Were a barrier's epoch fixed at capture, rank 0
+// would pass it at once from the second replay on and pull rank 1's stale x and routing table.
+__global__ void spin_for_ns(uint64_t ns) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+TEST(BackwardGraphReplay, CapturedStepReplaysWithTheEagerBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (!can_run_ep(ep)) continue;
+    const LayerShape s = with_ep(bwd_cases()[0].shape, ep);
+    const Problem a = make_problem(s, Pattern::kUniform, 301);
+    Problem b = make_problem(s, Pattern::kOneExpert, 401);
+    b.weights = a.weights;  // the captured weights stay; the inputs and routing change
+    const auto dy_a = make_dy(s, 302), dy_b = make_dy(s, 402);
+    RunOptions ro;
+    ro.mode = GradMode::kWriteBf16;
+    const auto expect_a = run_backward(a, dy_a, bwd_config(s), ro);
+    const auto expect_b = run_backward(b, dy_b, bwd_config(s), ro);
+    constexpr int kReplays = 4;
+    std::vector<std::vector<RankGrads>> got(kReplays, std::vector<RankGrads>(s.ep));
+    RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
+      RankData d = upload_rank(a, r.rank);
+      comm::DeviceBuffer<bf16> ddy = upload_bf16(dy_a[r.rank].data(), dy_a[r.rank].size());
+      comm::DeviceBuffer<bf16> dx(size_t(s.tokens) * s.hidden);
+      comm::DeviceBuffer<float> dtopk(size_t(s.tokens) * s.topk);
+      cudaStream_t st = rank_stream();
+      auto ws = create_workspace(s, bwd_config(s), r);
+      auto ctx = Context::create(*ws, st);
+      GradBuffers gb(s, GradMode::kWriteBf16, r.rank);
+      const ExpertWeights ew = d.weights();
+      auto step = [&] {
+        gb.poison(st);
+        MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), st));
+        MOK_CUDA_CHECK(cudaMemsetAsync(dx.get(), 0xFF, dx.bytes(), st));
+        MOK_CUDA_CHECK(cudaMemsetAsync(dtopk.get(), 0xFF, dtopk.bytes(), st));
+        schedule(*ws, d.idx.get(), s.tokens, st);
+        forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get(), ctx.get()}, ew, st);
+        backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get(), ctx.get()}, ew,
+                 gb.grads(), st);
+      };
+      step();  // eager warm-up (as every capture needs)
+      ws->check();
+      cudaGraph_t graph = nullptr;
+      MOK_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      step();
+      MOK_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+      cudaGraphExec_t exec = nullptr;
+      MOK_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int i = 0; i < kReplays; ++i) {
+        const Problem& p = i % 2 == 0 ? a : b;
+        const auto& dy = i % 2 == 0 ? dy_a : dy_b;
+        MOK_CUDA_CHECK(cudaMemcpy(d.x.get(), p.inputs.x[r.rank].data(), d.x.bytes(), cudaMemcpyHostToDevice));
+        MOK_CUDA_CHECK(cudaMemcpy(d.idx.get(), p.inputs.topk_idx[r.rank].data(), d.idx.bytes(), cudaMemcpyHostToDevice));
+        MOK_CUDA_CHECK(cudaMemcpy(d.w.get(), p.inputs.topk_w[r.rank].data(), d.w.bytes(), cudaMemcpyHostToDevice));
+        MOK_CUDA_CHECK(cudaMemcpy(ddy.get(), dy[r.rank].data(), ddy.bytes(), cudaMemcpyHostToDevice));
+        RankPool::get(s.ep).barrier();  // every rank's inputs are in place
+        if (r.rank == 1) spin_for_ns<<<1, 1, 0, st>>>(50'000'000ull);  // rank 0 reaches each barrier first
+        MOK_CUDA_CHECK(cudaGraphLaunch(exec, st));
+        MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+        ws->check();
+        RankGrads& g = got[i][r.rank];
+        g.y = get_bits(d.y.get(), d.y.size());
+        g.dx = get_bits(dx.get(), dx.size());
+        g.dtopk_w = get_f32(dtopk.get(), dtopk.size());
+        gb.read_into(g);
+        RankPool::get(s.ep).barrier();  // nobody overwrites inputs a slow peer still pulls
+      }
+      MOK_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      MOK_CUDA_CHECK(cudaGraphDestroy(graph));
+    });
+    for (int i = 0; i < kReplays; ++i) {
+      expect_same_bits(got[i], (i % 2 == 0 ? expect_a : expect_b)[0],
+                       "ep " + std::to_string(ep) + " replay " + std::to_string(i));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mok::test

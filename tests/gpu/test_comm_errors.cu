@@ -113,9 +113,8 @@ TEST(CommErrors, CapacityOverflowIsAnErrorNotAHang) {
     l.layout = st.layout();
     l.topk_idx = d_topk.get();
     l.tokens = s.tokens;
-    l.parity = 0;
     l.max_rows = s.tokens * s.topk - 1;
-    l.barrier = comm::GroupBarrier{st.sync(comm::SyncSite::kExchange), st.layout().flags, st.next_epoch()};
+    l.barrier = st.barrier(comm::SyncSite::kExchange);
     l.wait = st.wait_context();
     comm::launch_schedule(l, st.schedule_buffers(), stream);
     expect_error(*ws, Status::kCapacityOverflow,
@@ -253,7 +252,7 @@ TEST(CommErrors, WaitTimesOutIntoAnError) {
     l.role.out_ready = out_ready.get();
     l.role.out_ready_target = 1;
     l.role.wait = st.wait_context();
-    l.done = comm::GroupBarrier{st.sync(comm::SyncSite::kCombineDone), st.layout().flags, st.next_epoch()};
+    l.done = st.barrier(comm::SyncSite::kCombineDone);
     l.ctas = 3;
     comm::launch_combine(l, stream);
     expect_error(*ws, Status::kTimeout, {"combine (an expert-output row tile)"});
