@@ -13,9 +13,10 @@ struct Config {
   // comm_sms_forward 0 = automatic (effective_comm_sms_forward): at EP >= 2 enough CTAs to move
   // the pass's token rows in about the time its GEMMs take on the other SMs; at EP 1 (no
   // combine; the comm CTAs join the GEMM work after their dispatch share) at least one per
-  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic (16). With grid_sms set,
-  // an automatic count is fitted to leave at least one GEMM SM; an explicit one must be below
-  // grid_sms. Any count gives the same bits.
+  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: the whole grid (grid_sms,
+  // else every SM), since the backward's communication launches run alone on the stream. With
+  // grid_sms set, the forward's automatic count is fitted to leave at least one GEMM SM; an
+  // explicit one must be below grid_sms. Any count gives the same bits.
   int comm_sms_forward = 0;
   int comm_sms_backward = 0;
   // Routed rows per overlap step (GEMMs on a minibatch start once its rows arrived).
@@ -53,7 +54,8 @@ struct Config {
   int64_t resident_routed_rows(const LayerShape& shape) const;
   // The communication CTAs of the forward / backward actually used (resolves 0 = automatic).
   int effective_comm_sms_forward(const LayerShape& shape) const;
-  int effective_comm_sms_backward(const LayerShape& shape) const;
+  // device_sms: the SMs of the device the backward runs on (used when grid_sms is 0; 0 = unknown: 16).
+  int effective_comm_sms_backward(const LayerShape& shape, int device_sms) const;
 };
 
 }  // namespace mok

@@ -130,9 +130,14 @@ int Config::effective_comm_sms_forward(const LayerShape& shape) const {
   return fit_grid(std::clamp(ctas, 6, 32), grid_sms);
 }
 
-int Config::effective_comm_sms_backward(const LayerShape&) const {
+int Config::effective_comm_sms_backward(const LayerShape&, int device_sms) const {
   if (comm_sms_backward > 0) return comm_sms_backward;
-  return fit_grid(16, grid_sms);  // automatic: 16 until the GPU backward measures its own rule
+  // The staged backward's communication launches (the pulls of x and dy rows, the dx push) run
+  // alone on the stream, so they take the whole grid: at 16 CTAs the two pulls of dsv3's
+  // 940 MB of rows each were most of the backward's time outside its GEMMs (docs/perf-log.md,
+  // 2026-12-04). Any count gives the same bits (D2).
+  if (grid_sms > 0) return grid_sms;
+  return device_sms > 0 ? device_sms : 16;
 }
 
 std::string Config::to_string() const {

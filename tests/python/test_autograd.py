@@ -207,6 +207,31 @@ def test_router(score_func):
     assert torch.equal(idx, idx2) and torch.equal(w, w2)
 
 
+def test_router_scores_stay_fp32_under_autocast():
+    torch.manual_seed(0)
+    r = mok.torch.TopKRouter(H, E, K)
+    x = torch.randn(16, H).bfloat16()
+    idx, w = r(x)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        idx_a, w_a = r(x)
+    assert w_a.dtype == torch.float32
+    assert torch.equal(idx, idx_a) and torch.equal(w, w_a)
+
+
+def test_outputs_unfilled_under_deterministic_mode():
+    # mok writes every element of its outputs; the deterministic mode's fill must not cost a memset
+    import torch.utils.deterministic as det
+    from mok.torch._runtime import empty_unfilled
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert det.fill_uninitialized_memory
+        t = empty_unfilled(4, dtype=torch.float32)
+        assert t.shape == (4,) and det.fill_uninitialized_memory  # restored
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
 def test_router_aux_loss_reaches_the_gate():
     torch.manual_seed(0)
     x = torch.randn(32, H).bfloat16()

@@ -160,7 +160,7 @@ def _backward(ctx, dy, dctx):
         elif accumulate:
             buffers.append(m if m is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device))
         else:
-            buffers.append(torch.empty(w.shape, dtype=w.dtype, device=w.device))
+            buffers.append(_runtime.empty_unfilled(w.shape, dtype=w.dtype, device=w.device))  # mok writes all
     dx, dtw = torch.ops.mok.moe_backward(context, x, topk_idx, topk_weights, dy.contiguous(), *weights, *buffers,
                                          ctx.spec, int(accumulate))
     grads = []

@@ -314,6 +314,20 @@ def _stream(device: torch.device) -> ctypes.c_void_p:
 
 # ---- the ops' CUDA implementations -----------------------------------------------------------------------
 
+def empty_unfilled(*size, **kwargs) -> torch.Tensor:
+    """torch.empty that mok's kernels overwrite entirely (outputs, contexts, gradient buffers; poisoned with NaN
+    on an error): not filled even under ``torch.use_deterministic_algorithms(True)``, whose default fill of
+    every new tensor would add a memset per call (dsv3's bf16 weight gradients: 22.5 GB per backward)."""
+    det = torch.utils.deterministic
+    if not (torch.are_deterministic_algorithms_enabled() and det.fill_uninitialized_memory):
+        return torch.empty(*size, **kwargs)
+    det.fill_uninitialized_memory = False
+    try:
+        return torch.empty(*size, **kwargs)
+    finally:
+        det.fill_uninitialized_memory = True
+
+
 def forward(spec: LayerSpec, x, topk_idx, topk_weights, weights: list, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """schedule + forward on the current stream; keep < 0: no context (nothing to differentiate)."""
     T, dev = x.shape[0], x.device
@@ -324,11 +338,11 @@ def forward(spec: LayerSpec, x, topk_idx, topk_weights, weights: list, keep: int
     stream = _stream(dev)
     idx = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
     _lib.call("mok_schedule", ws.handle, ctypes.c_void_p(idx.data_ptr()), T, stream)
-    y = torch.empty_like(x)
+    y = empty_unfilled(x.shape, dtype=x.dtype, device=dev)
     if keep < 0:
         ctx, handle = torch.empty(0, dtype=torch.uint8, device=dev), None
     else:
-        ctx = torch.empty(ws.context_bytes(keep), dtype=torch.uint8, device=dev)
+        ctx = empty_unfilled(ws.context_bytes(keep), dtype=torch.uint8, device=dev)
         handle = register_context(ws, ctx, keep)
     w = weights_c(spec, *weights)
     try:
@@ -348,7 +362,7 @@ def backward(spec: LayerSpec, ctx, x, topk_weights, dy, weights: list, buffers: 
              accumulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """dx, d topk_w; the weight gradients into ``buffers`` (added in fp32, or written in bf16)."""
     T, dev = x.shape[0], x.device
-    dtw = torch.empty(T, spec.topk, dtype=torch.float32, device=dev)
+    dtw = empty_unfilled(T, spec.topk, dtype=torch.float32, device=dev)
     if T == 0:
         if not accumulate:
             for b in buffers:
@@ -356,7 +370,7 @@ def backward(spec: LayerSpec, ctx, x, topk_weights, dy, weights: list, buffers: 
                     b.zero_()
         return torch.empty_like(x), dtw
     ws, handle = take_context(ctx)
-    dx = torch.empty_like(x)
+    dx = empty_unfilled(x.shape, dtype=x.dtype, device=dev)
     w = weights_c(spec, *weights)
     g = grads_c(spec, buffers, accumulate, fused=weights[1] is None)
     try:

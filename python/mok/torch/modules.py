@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -126,7 +128,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: Tensor, return_aux_loss: bool = False):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        logits = F.linear(x2.to(self.gate.weight.dtype), self.gate.weight).float()
+        # Scores in the gate's dtype (fp32 by default) also under torch.autocast, which would run the
+        # linear in bf16: routing decisions are sensitive to it.
+        kind = x2.device.type
+        with torch.autocast(device_type=kind, enabled=False) if kind in ("cuda", "cpu") else contextlib.nullcontext():
+            logits = F.linear(x2.to(self.gate.weight.dtype), self.gate.weight).float()
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         top, idx = torch.topk(scores, self.topk, dim=-1)
         if self.route_norm:
