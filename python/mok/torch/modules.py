@@ -25,7 +25,40 @@ def init_trunc_normal_(p: Tensor, std: float) -> None:
     p.copy_(tmp)
 
 
-class MoE(nn.Module):
+class ExpertParameters(nn.Module):
+    """This EP rank's expert weights in torchtitan's ``GroupedExperts`` layout, shared by ``MoE`` and the plain
+    PyTorch layer (``mok.torch.plain.PlainMoE``), so that the two load each other's state dicts: ``w1`` (gate)
+    and ``w3`` (up) [E_local, I, H], ``w2`` (down) [E_local, H, I]; with ``shared_intermediate > 0`` also
+    ``shared_w1``, ``shared_w3`` [I_sh, H] and ``shared_w2`` [H, I_sh]."""
+
+    def _make_experts(self, hidden: int, intermediate: int, num_experts: int, topk: int, shared_intermediate: int,
+                      ep: int, dtype: torch.dtype, device, init_std: float) -> None:
+        self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
+        self.shared_intermediate, self.ep, self.init_std = shared_intermediate, ep, init_std
+        el = num_experts // ep
+        kw = {"dtype": dtype, "device": device}
+        self.w1 = nn.Parameter(torch.empty(el, intermediate, hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(el, hidden, intermediate, **kw))
+        self.w3 = nn.Parameter(torch.empty(el, intermediate, hidden, **kw))
+        if shared_intermediate > 0:
+            self.shared_w1 = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
+            self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
+            self.shared_w3 = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
+        else:
+            self.shared_w1 = self.shared_w2 = self.shared_w3 = None
+        self.reset_parameters()
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
+
+    def reset_parameters(self) -> None:
+        """Truncated normal (std ``init_std``), as torchtitan initialises its experts."""
+        for p in self.parameters():
+            init_trunc_normal_(p, self.init_std)
+
+
+class MoE(ExpertParameters):
     """The experts of one MoE layer on mok's fused kernels.
 
     Parameters are this EP rank's experts, named and shaped as torchtitan's ``GroupedExperts`` (so its
@@ -52,29 +85,8 @@ class MoE(nn.Module):
         group, ep = resolve_ep_group(ep_group)
         self.spec = make_spec(hidden, intermediate, shared_intermediate, num_experts, topk, ep, group, config)
         self._spec_key = self.spec.key()
-        self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
-        self.shared_intermediate, self.ep, self.recompute, self.init_std = shared_intermediate, ep, recompute, init_std
-        el = num_experts // ep
-        kw = {"dtype": dtype, "device": device}
-        self.w1 = nn.Parameter(torch.empty(el, intermediate, hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(el, hidden, intermediate, **kw))
-        self.w3 = nn.Parameter(torch.empty(el, intermediate, hidden, **kw))
-        if shared_intermediate > 0:
-            self.shared_w1 = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
-            self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
-            self.shared_w3 = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
-        else:
-            self.shared_w1 = self.shared_w2 = self.shared_w3 = None
-        self.reset_parameters()
-
-    @property
-    def local_experts(self) -> int:
-        return self.num_experts // self.ep
-
-    def reset_parameters(self) -> None:
-        """Truncated normal (std ``init_std``), as torchtitan initialises its experts."""
-        for p in self.parameters():
-            init_trunc_normal_(p, self.init_std)
+        self.recompute = recompute
+        self._make_experts(hidden, intermediate, num_experts, topk, shared_intermediate, ep, dtype, device, init_std)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
         return apply(self._spec_key, x, topk_idx, topk_weights,

@@ -26,6 +26,8 @@ from torch import Tensor, nn
 
 from mok.errors import invalid_argument
 
+from .modules import ExpertParameters
+
 __all__ = ["PlainMoE", "plain_moe_experts", "grouped_mm_available", "IMPLS"]
 
 IMPLS = ("auto", "grouped_mm", "loop")
@@ -228,7 +230,7 @@ def plain_moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Ten
     return y.to(x.dtype).view(*lead, H)
 
 
-class PlainMoE(nn.Module):
+class PlainMoE(ExpertParameters):
     """``mok.torch.MoE``'s layer in plain PyTorch (same constructor, parameters and forward).
 
     ``forward(x, topk_idx, topk_weights)``; parameters ``w1``, ``w3`` [E_local, I, H], ``w2`` [E_local, H, I]
@@ -247,32 +249,8 @@ class PlainMoE(nn.Module):
             raise invalid_argument("num_experts", f"a multiple of the EP group's size ({ep})", num_experts)
         if not 1 <= topk <= num_experts:
             raise invalid_argument("topk", f"1 <= topk <= num_experts ({num_experts})", topk)
-        self.hidden, self.intermediate, self.num_experts, self.topk = hidden, intermediate, num_experts, topk
-        self.shared_intermediate, self.ep, self.ep_group, self.impl = shared_intermediate, ep, ep_group, impl
-        self.init_std = init_std
-        el = num_experts // ep
-        kw = {"dtype": dtype, "device": device}
-        self.w1 = nn.Parameter(torch.empty(el, intermediate, hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(el, hidden, intermediate, **kw))
-        self.w3 = nn.Parameter(torch.empty(el, intermediate, hidden, **kw))
-        if shared_intermediate > 0:
-            self.shared_w1 = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
-            self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_intermediate, **kw))
-            self.shared_w3 = nn.Parameter(torch.empty(shared_intermediate, hidden, **kw))
-        else:
-            self.shared_w1 = self.shared_w2 = self.shared_w3 = None
-        self.reset_parameters()
-
-    @property
-    def local_experts(self) -> int:
-        return self.num_experts // self.ep
-
-    def reset_parameters(self) -> None:
-        """Truncated normal (std ``init_std``), as ``mok.torch.MoE`` (and torchtitan) initialise their experts."""
-        from .modules import init_trunc_normal_
-
-        for p in self.parameters():
-            init_trunc_normal_(p, self.init_std)
+        self.ep_group, self.impl = ep_group, impl
+        self._make_experts(hidden, intermediate, num_experts, topk, shared_intermediate, ep, dtype, device, init_std)
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
         return plain_moe_experts(x, topk_idx, topk_weights, self.w1, self.w2, self.w3, self.shared_w1,
