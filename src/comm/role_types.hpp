@@ -52,7 +52,7 @@ struct DispatchRole {
   int ring_ctas = 0;
   // This rank's tokens are read here instead of the window's staging copy (nullptr: the window).
   // The fused forward at EP 1 sets it to ForwardArgs::x and skips the staging copy: no peer
-  // reads the window there. 16-byte aligned.
+  // reads the window there (the staged backward's pulls likewise to its x and dy). 16-byte aligned.
   const char* own_x = nullptr;
 };
 

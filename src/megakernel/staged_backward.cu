@@ -290,14 +290,21 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
 namespace {
 
 // Stage x and dy (and the router weights) in the window and the shared expert's padded rows,
-// then pull the x rows and the dy rows over the saved routing table; padding rows zeroed.
+// then pull the x rows and the dy rows over the saved routing table; padding rows zeroed. At EP 1
+// no peer reads the window: the pulls read the caller's x and dy in place (DispatchRole::own_x),
+// as the fused forward does, and the two staging copies are skipped.
 void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const comm::ScheduleView& v,
                     const BackwardArgs& args, const StagedBackwardOptions& o, bool weights, cudaStream_t stream) {
   const LayerShape& s = state.shape();
   const comm::SymmetricLayout& layout = state.layout();
   const int64_t T = v.tokens, H = s.hidden, K = s.topk, R = bwd.buffer_rows;  // this call's T
-  state.stage_x(args.x, T, stream);
-  MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool in_place = s.ep == 1 && aligned(args.x) && aligned(args.dy);
+  if (!in_place) {
+    state.stage_x(args.x, T, stream);
+    MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                                   stream));
+  }
   if (weights) {
     MOK_CUDA_CHECK(cudaMemcpyAsync(state.topk_w_staging(), args.topk_w, T * K * sizeof(float),
                                    cudaMemcpyDeviceToDevice, stream));
@@ -307,8 +314,14 @@ void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
     stage_shared_rows(fwd, T, H, {{fwd.shared_x.get(), args.x}, {bwd.shared_dy.get(), args.dy}}, stream);
   }
   bf16* const x_rows = x_rows_of(state, bwd);
-  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows), stream);
-  comm::launch_dispatch(state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get()), stream);
+  comm::DispatchLaunch pull_x = state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows);
+  comm::DispatchLaunch pull_dy = state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get());
+  if (in_place) {
+    pull_x.role.own_x = reinterpret_cast<const char*>(args.x);
+    pull_dy.role.own_x = reinterpret_cast<const char*>(args.dy);
+  }
+  comm::launch_dispatch(pull_x, stream);
+  comm::launch_dispatch(pull_dy, stream);
   if (weights) {
     gather_row_weights<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, R, state.peers(),
                                                                      layout.topk_w, static_cast<int>(K),
