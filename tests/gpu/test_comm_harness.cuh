@@ -157,9 +157,7 @@ inline Config simulated_config(const LayerShape& s, Config c) {
   c.grid_sms = std::min(c.grid_sms > 0 ? c.grid_sms : gpu0_sms(), fit);
   const int comm_cap = std::max(1, c.grid_sms / 2);
   c.comm_sms_forward = std::min(c.effective_comm_sms_forward(s), comm_cap);
-  // The backward's automatic count is the whole grid (its comm launches run alone on a rank's
-  // GPU); beside the other ranks' kernels on one GPU it is capped like the forward's.
-  c.comm_sms_backward = std::min(c.comm_sms_backward > 0 ? c.comm_sms_backward : c.grid_sms, comm_cap);
+  c.comm_sms_backward = std::min(c.comm_sms_backward, comm_cap);
   return c;
 }
 
