@@ -13,8 +13,9 @@ struct Config {
   // comm_sms_forward 0 = automatic (effective_comm_sms_forward): at EP >= 2 enough CTAs to move
   // the pass's token rows in about the time its GEMMs take on the other SMs; at EP 1 (no
   // combine; the comm CTAs join the GEMM work after their dispatch share) at least one per
-  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: the whole grid (grid_sms,
-  // else every SM), since the backward's communication launches run alone on the stream. With
+  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: at EP 1 the whole grid
+  // (grid_sms, else every SM), since the backward's communication launches run alone on the
+  // stream; at EP >= 2 16 (fitted to grid_sms). With
   // grid_sms set, the forward's automatic count is fitted to leave at least one GEMM SM; an
   // explicit one must be below grid_sms. Any count gives the same bits.
   int comm_sms_forward = 0;

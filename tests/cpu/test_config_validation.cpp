@@ -80,8 +80,11 @@ TEST(ConfigValidation, DefaultsAreValid) {
   EXPECT_NO_THROW(c.validate(good_shape()));
   EXPECT_EQ(c.comm_sms_forward, 0);  // automatic
   EXPECT_EQ(c.comm_sms_backward, 0);  // automatic
-  EXPECT_EQ(c.effective_comm_sms_backward(good_shape(), 132), 132);  // the whole device
-  EXPECT_EQ(c.effective_comm_sms_backward(good_shape(), 0), 16);    // device unknown
+  mok::LayerShape ep1 = good_shape();
+  ep1.ep = 1;
+  EXPECT_EQ(c.effective_comm_sms_backward(ep1, 132), 132);         // EP 1: the whole device
+  EXPECT_EQ(c.effective_comm_sms_backward(ep1, 0), 16);            // device unknown
+  EXPECT_EQ(c.effective_comm_sms_backward(good_shape(), 132), 16);  // EP 2
   EXPECT_EQ(c.capacity, 2.0);
   EXPECT_EQ(c.effective_minibatch(good_shape()) % mok::kRowTile, 0);
 }
@@ -156,7 +159,8 @@ TEST(ConfigValidation, AutomaticCommSmsFitTheGrid) {
         EXPECT_NO_THROW(c.validate(s)) << "grid_sms " << grid;
         EXPECT_GE(c.effective_comm_sms_forward(s), 1);
         EXPECT_LT(c.effective_comm_sms_forward(s), grid) << "grid_sms " << grid;
-        EXPECT_EQ(c.effective_comm_sms_backward(s, 132), grid) << "grid_sms " << grid;  // the whole grid
+        // EP 1: the whole grid; EP >= 2: 16, fitted to the grid
+        EXPECT_EQ(c.effective_comm_sms_backward(s, 132), ep == 1 ? grid : std::min(16, grid - 1)) << "grid_sms " << grid;
         EXPECT_EQ(c.effective_comm_sms_forward(s),
                   std::min(mok::Config{}.effective_comm_sms_forward(s), grid - 1));
       }
