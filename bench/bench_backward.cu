@@ -169,10 +169,7 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   res.dx_hash = fnv1a64(dx.get(), dx.bytes(), st);
 
   megakernel::StagedBackwardOptions so;
-  int device = 0, sms = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  so.comm_ctas = cfg.effective_comm_sms_backward(s, sms);  // as mok::backward picks it
+  so.comm_ctas = cfg.effective_comm_sms_backward(s, comm::device_sms());  // as mok::backward picks it
   so.timeout_s = cfg.wait_timeout_s;
   const megakernel::SavedContext& saved = impl.own_context->impl().saved;
   res.staged_ms = time_ms(o, sync, st, [&] {

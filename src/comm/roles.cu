@@ -35,18 +35,6 @@ __global__ void test_wait_kernel(const uint64_t* flag, uint64_t expected, const 
   if (threadIdx.x == 0) wait_geq<Scope::kSystem>(flag, expected, WaitSite::kTest, ctx);
 }
 
-// SMs of the current device (cached per thread: launches stay cheap).
-int device_sms() {
-  thread_local int cached_device = -1, cached_sms = 0;
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  if (device != cached_device) {
-    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, device));
-    cached_device = device;
-  }
-  return cached_sms;
-}
-
 void check_ctas(int ctas) {
   // The comm CTAs wait on each other (group barrier, dedup tiles): they must all be resident.
   // One 512-thread CTA per SM always fits, so at most one per SM.
@@ -58,6 +46,17 @@ void check_ctas(int ctas) {
 }
 
 }  // namespace
+
+int device_sms() {
+  thread_local int cached_device = -1, cached_sms = 0;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, device));
+    cached_device = device;
+  }
+  return cached_sms;
+}
 
 void launch_dispatch(const DispatchLaunch& l, cudaStream_t stream) {
   check_ctas(l.ctas);

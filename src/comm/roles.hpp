@@ -34,6 +34,9 @@ void launch_epilogue(const EpilogueRole& role, cudaStream_t stream);
 
 // One thread waits for *flag >= expected through wait_geq (system scope); tests use it to
 // prove that a wait nobody satisfies turns into a kTimeout error instead of a hang.
+// SMs of the current device, cached per thread (launches and per-call options stay cheap).
+int device_sms();
+
 void launch_test_wait(const uint64_t* flag, uint64_t expected, const WaitContext& ctx, cudaStream_t stream);
 
 }  // namespace mok::comm

@@ -2,7 +2,7 @@
 // (src/host/workspace.cpp). The forward runs the fused GPU kernel (src/megakernel, or the
 // staged launches with MOK_FORWARD_PATH=staged) and saves into the call's Context; the
 // backward runs the staged GPU backward over that context (src/megakernel/staged_backward.hpp).
-#include "comm/cuda_check.hpp"
+#include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_forward.hpp"
@@ -102,10 +102,7 @@ namespace {
 
 megakernel::StagedBackwardOptions backward_options(const Workspace::Impl& impl) {
   megakernel::StagedBackwardOptions options;
-  int device = 0, sms = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  options.comm_ctas = impl.config.effective_comm_sms_backward(impl.shape, sms);
+  options.comm_ctas = impl.config.effective_comm_sms_backward(impl.shape, comm::device_sms());
   options.gemm_grid = impl.config.grid_sms;
   options.timeout_s = impl.config.wait_timeout_s;
   return options;
