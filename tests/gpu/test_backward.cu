@@ -269,6 +269,17 @@ struct StridedWeights {
   }
 };
 
+// One rank's outputs of a pass: y, dx, d topk_w and the weight gradients (GradBuffers::read_into).
+RankGrads read_pass(const RankData& d, const comm::DeviceBuffer<bf16>& dx, const comm::DeviceBuffer<float>& dtopk,
+                    const GradBuffers& gb) {
+  RankGrads g;
+  g.y = get_bits(d.y.get(), d.y.size());
+  g.dx = get_bits(dx.get(), dx.size());
+  g.dtopk_w = get_f32(dtopk.get(), dtopk.size());
+  gb.read_into(g);
+  return g;
+}
+
 // Runs schedule + forward + backward `repeats` times per rank; returns [repeat][rank].
 std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::vector<std::vector<uint16_t>>& dy,
                                                  const Config& cfg, const RunOptions& ro) {
@@ -334,12 +345,8 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
         backward_weight_grads(*ws, ba, gb.grads(), st);
       }
       ws->check();
-      RankGrads& g = out[i][r.rank];
       gb.copy_layout(false, st);
-      g.y = get_bits(d.y.get(), d.y.size());
-      g.dx = get_bits(dx.get(), dx.size());
-      g.dtopk_w = get_f32(dtopk.get(), dtopk.size());
-      gb.read_into(g);
+      out[i][r.rank] = read_pass(d, dx, dtopk, gb);
     }
   });
   return out;
@@ -738,7 +745,6 @@ TEST(BackwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsDx) {
   });
 }
 
-
 // A training step (schedule, forward, backward) captured in a CUDA graph replays with the bits of
 // eager calls, at EP 1 and 2, with new inputs copied into the captured buffers before each replay
 // (inputs A, B, A, B) and rank 1 held back before each replay: a barrier must wait anew on every
@@ -807,11 +813,7 @@ TEST(BackwardGraphReplay, CapturedStepReplaysWithTheEagerBits) {
         MOK_CUDA_CHECK(cudaGraphLaunch(exec, st));
         MOK_CUDA_CHECK(cudaStreamSynchronize(st));
         ws->check();
-        RankGrads& g = got[i][r.rank];
-        g.y = get_bits(d.y.get(), d.y.size());
-        g.dx = get_bits(dx.get(), dx.size());
-        g.dtopk_w = get_f32(dtopk.get(), dtopk.size());
-        gb.read_into(g);
+        got[i][r.rank] = read_pass(d, dx, dtopk, gb);
         RankPool::get(s.ep).barrier();  // nobody overwrites inputs a slow peer still pulls
       }
       MOK_CUDA_CHECK(cudaGraphExecDestroy(exec));
