@@ -116,6 +116,7 @@ y = plain_moe_experts(x, full["idx"][rows], tw, mine["w1"], mine["w2"], mine["w3
                       shared["shared_w2"], shared["shared_w3"], impl="loop")
 y.backward(full["dy"][rows])
 torch.save({"y": y.detach(), "dx": x.grad, "dtw": tw.grad, **{k: v.grad for k, v in {**mine, **shared}.items()}}, out)
+dist.barrier()  # both ranks done with gloo before either tears it down (a peer gone early aborted one in CI)
 dist.destroy_process_group()
 """
 
