@@ -302,8 +302,24 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
     const ExpertWeights ew = sw ? sw->apply(d.weights(), s) : d.weights();
     auto ctx_a = Context::create(*ws, st, ro.defer ? Context::Keep::kDeferredWgrad : ro.keep);
     auto ctx_b = Context::create(*ws, st);
-    std::optional<RankData> d2;
-    if (ro.second != nullptr) d2.emplace(upload_rank(*ro.second, r.rank));
+    // The second layer's inputs and outputs, allocated before the first pass: with simulated ranks
+    // a cudaFree (or any device-wide synchronisation) on one rank's thread between two collective
+    // launches waits for the other ranks' kernels, which wait for this rank's next launch: a hang
+    // that the barriers' timeout turns into an error (docs/comm.md, simulated ranks).
+    struct Second {
+      RankData d;
+      comm::DeviceBuffer<bf16> dx, ddy;
+      comm::DeviceBuffer<float> dtopk;
+      GradBuffers gb;
+    };
+    std::optional<Second> d2;
+    if (ro.second != nullptr) {
+      const LayerShape& s2 = ro.second->shape;  // its own T (<= the workspace's)
+      const auto dy2 = make_dy(s2, 97);
+      d2.emplace(Second{upload_rank(*ro.second, r.rank), comm::DeviceBuffer<bf16>(size_t(s2.tokens) * s2.hidden),
+                        upload_bf16(dy2[r.rank].data(), dy2[r.rank].size()),
+                        comm::DeviceBuffer<float>(size_t(s2.tokens) * s2.topk), GradBuffers(s2, GradMode::kWriteBf16)});
+    }
     for (int i = 0; i < ro.repeats; ++i) {
       gb.poison(st);
       gb.copy_layout(true, st);
@@ -323,17 +339,13 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
       // the second layer: its schedule, forward and backward (every scratch buffer reused)
       auto run_second = [&] {
         if (d2) {
-          const ExpertWeights ew2 = d2->weights();
-          const LayerShape& s2 = ro.second->shape;  // its own T (<= the workspace's)
-          schedule(*ws, d2->idx.get(), s2.tokens, st);
-          forward(*ws, ForwardArgs{d2->x.get(), d2->w.get(), d2->y.get(), ctx_b.get()}, ew2, st);
-          comm::DeviceBuffer<bf16> dx_b(size_t(s2.tokens) * s2.hidden);
-          comm::DeviceBuffer<float> dtopk_b(size_t(s2.tokens) * s2.topk);
-          const auto dy2 = make_dy(s2, 97);
-          comm::DeviceBuffer<bf16> ddy_b = upload_bf16(dy2[r.rank].data(), dy2[r.rank].size());
-          GradBuffers gb_b(s2, GradMode::kWriteBf16);
-          backward(*ws, BackwardArgs{d2->x.get(), d2->w.get(), ddy_b.get(), dx_b.get(), dtopk_b.get(), ctx_b.get()},
-                   ew2, gb_b.grads(), st);
+          const ExpertWeights ew2 = d2->d.weights();
+          const int64_t t2 = ro.second->shape.tokens;
+          schedule(*ws, d2->d.idx.get(), t2, st);
+          forward(*ws, ForwardArgs{d2->d.x.get(), d2->d.w.get(), d2->d.y.get(), ctx_b.get()}, ew2, st);
+          backward(*ws, BackwardArgs{d2->d.x.get(), d2->d.w.get(), d2->ddy.get(), d2->dx.get(), d2->dtopk.get(),
+                                     ctx_b.get()},
+                   ew2, d2->gb.grads(), st);
           ws->check();
         }
       };
