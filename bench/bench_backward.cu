@@ -1,8 +1,10 @@
 // bench_backward: mok's backward pass per rank on every local GPU (EP = the GPUs used, one
 // thread per GPU) for the DESIGN §8 shapes, side by side in one run:
-//   bwd_ms               the backward mok::backward runs (today the staged GPU backward: the steps
-//                        as separate launches over the layer's saved context; bwd_path says which)
-//   bwd_staged_ms        the staged backward (the fused backward's oracle)
+//   bwd_ms               the backward mok::backward runs (bwd_path: MOK_BACKWARD_PATH, default staged)
+//   bwd_fused_ms         the fused backward (its dgrad chain and the dy / dx / d topk_w traffic as one
+//                        persistent kernel, fused_backward.hpp)
+//   bwd_staged_ms        the staged backward (the fused backward's oracle: the steps as separate
+//                        launches); f==s: the fused dx equals the staged one bit for bit
 //   bwd_gemms_alone_ms   only the backward's grouped GEMMs (shared + routed dh + SwiGLU backward,
 //                        dx, K-grouped weight gradients) on the rows already pulled, every SM;
 //                        bwd_gemm_<kind>_ms each kind alone (wgrad_bf16: the routed weight
@@ -18,10 +20,11 @@
 // useful TFLOP/s = 2 x the forward's useful FLOPs per rank / time (recompute not counted).
 // Steady state and medians as bench_forward (bench_timing.hpp); the slowest rank's median is
 // reported. Bitwise: the unfused baseline's dx equals the staged backward's (same GEMM tiles,
-// same sum); dx_hash (FNV-1a 64 of the staged dx) compares builds.
+// same sum); dx_hash (FNV-1a 64 of mok::backward's dx) compares builds.
 //
 //   bench_backward [--shapes dsv3,qwen3,gptoss] [--iters 10] [--warmup 3] [--warm-ms 300]
-//                  [--tokens N] [--ep N] [--grad-mode fp32|bf16] [--out bench/results/2026-12-03-backward.json]
+//                  [--tokens N] [--ep N] [--grad-mode fp32|bf16] [--fused-comm N]
+//                  [--out bench/results/2026-12-03-backward.json]
 // --grad-mode (default fp32): weight gradients added into fp32 main grads, or written bf16. At EP 1
 // every expert's gradient is on one GPU (dsv3: 11.3 G parameters): fp32 adds read and write
 // 90 GB per pass there, a floor of ~19 ms at the H200's ~4.8 TB/s.
@@ -42,6 +45,7 @@
 #include "comm/cuda_check.hpp"
 #include "host/workspace_impl.hpp"
 #include "megakernel/bench_support.hpp"
+#include "megakernel/fused_backward.hpp"
 #include "megakernel/staged_backward.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
@@ -61,6 +65,7 @@ struct Options {
   int64_t tokens = 0;
   int ep = 0;
   GradMode mode = GradMode::kAccumulateFp32;  // --grad-mode fp32 (add into fp32 main grads) | bf16 (write)
+  int fused_comm = 0;  // --fused-comm N: the fused backward kernel's comm CTAs (0: as mok::backward picks them)
   std::string out = "bench_backward.json";
 };
 
@@ -73,6 +78,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--warmup") o.warmup = std::stoi(v);
     else if (k == "--warm-ms") o.warm_ms = std::stod(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
+    else if (k == "--fused-comm") o.fused_comm = std::stoi(v);
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--out") o.out = v;
     else if (k == "--grad-mode") {
@@ -130,10 +136,12 @@ constexpr int kNumParts = sizeof(kParts) / sizeof(kParts[0]);
 
 struct RankResult {
   double part_ms[kNumParts] = {};
-  double staged_ms = 0, gemms_ms = 0, unfused_ms = 0, step_ms = 0, cublas_ms = 0, cublas_flops = 0;
-  int64_t unfused_vs_staged = -1;
+  double fused_ms = 0, staged_ms = 0, gemms_ms = 0, unfused_ms = 0, step_ms = 0, cublas_ms = 0, cublas_flops = 0;
+  int64_t unfused_vs_staged = -1, fused_vs_staged = -1;
   uint64_t dx_hash = 0;
   size_t context_bytes = 0, workspace_bytes = 0;
+  int fused_comm = 0;
+  bool fused_default = false;  // mok::backward runs the fused backward
 };
 
 RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
@@ -176,6 +184,19 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
     megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, so, st);
   });
   ws->check();
+  comm::DeviceBuffer<bf16> dx_staged(TH);  // the staged dx, against the fused one below
+  MOK_CUDA_CHECK(cudaMemcpyAsync(dx_staged.get(), dx.get(), dx.bytes(), cudaMemcpyDeviceToDevice, st));
+  megakernel::FusedBackwardOptions fo;  // as mok::backward picks them
+  fo.comm_ctas = o.fused_comm > 0 ? o.fused_comm : cfg.effective_comm_sms_fused_backward(s, comm::device_sms());
+  fo.timeout_s = cfg.wait_timeout_s;
+  fo.prologue_ctas = so.comm_ctas;
+  res.fused_comm = fo.comm_ctas;
+  res.fused_default = impl.backward_path == megakernel::BackwardPath::kFused;
+  res.fused_ms = time_ms(o, sync, st, [&] {
+    megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
+  });
+  ws->check();
+  res.fused_vs_staged = megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
   res.gemms_ms = time_ms(o, sync, st, [&] {
     megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads, megakernel::StagedBackwardOptions{},
                                false, st);
@@ -250,11 +271,11 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, shapes[i], routings[i], lr, sync);
   });
   std::ostringstream results;
-  std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = staged; "
+  std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = %s; "
               "weight gradients %s\n",
-              ep, gpus, o.iters, o.mode == GradMode::kWriteBf16 ? "written bf16" : "added into fp32");
-  std::printf("%-7s %9s %9s %9s %9s %9s %9s %9s %9s %6s\n", "shape", "bwd_ms", "TFLOP/s", "of_cublas", "gemms",
-              "bwd/gemm", "unfused", "unf/bwd", "step_ms", "u==s");
+              ep, gpus, o.iters, res.empty() || !res[0][0].fused_default ? "staged" : "fused", o.mode == GradMode::kWriteBf16 ? "written bf16" : "added into fp32");
+  std::printf("%-7s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s\n", "shape", "bwd_ms", "TFLOP/s", "of_cublas",
+              "gemms", "bwd/gemm", "fused", "staged", "unfused", "unf/bwd", "step_ms", "f==s", "u==s");
   for (size_t i = 0; i < shapes.size(); ++i) {
     const LayerShape& s = shapes[i];
     auto worst = [&](auto get) {
@@ -263,16 +284,22 @@ int main(int argc, char** argv) {
       return m;
     };
     const double flops = 2.0 * megakernel::forward_flops(s);
-    const double bwd = worst([](const RankResult& r) { return r.staged_ms; });
+    const double fused = worst([](const RankResult& r) { return r.fused_ms; });
+    const double staged = worst([](const RankResult& r) { return r.staged_ms; });
+    const bool fused_default = res[i][0].fused_default;
+    const double bwd = fused_default ? fused : staged;
     const double gemms = worst([](const RankResult& r) { return r.gemms_ms; });
     const double unfused = worst([](const RankResult& r) { return r.unfused_ms; });
     const double step = worst([](const RankResult& r) { return r.step_ms; });
     const double cublas_tf = res[i][0].cublas_flops / worst([](const RankResult& r) { return r.cublas_ms; }) / 1e9;
     bool us = true;
+    bool fs = true;
     for (const auto& r : res[i]) us &= r.unfused_vs_staged == 0;
+    for (const auto& r : res[i]) fs &= r.fused_vs_staged == 0;
     const double tf = flops / bwd / 1e9;
-    std::printf("%-7s %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6s\n", o.shapes[i].c_str(), bwd, tf,
-                tf / cublas_tf, gemms, bwd / gemms, unfused, unfused / bwd, step, us ? "yes" : "NO");
+    std::printf("%-7s %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6s %6s\n", o.shapes[i].c_str(), bwd,
+                tf, tf / cublas_tf, gemms, bwd / gemms, fused, staged, unfused, unfused / bwd, step, fs ? "yes" : "NO",
+                us ? "yes" : "NO");
     std::ostringstream parts;
     std::printf("%-7s GEMMs one at a time (ms):", o.shapes[i].c_str());
     for (int p = 0; p < kNumParts; ++p) {
@@ -283,14 +310,16 @@ int main(int argc, char** argv) {
     std::printf("\n");
     char hash[32];
     std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(res[i][0].dx_hash));
-    std::printf("%-7s dx_hash %s  context %.1f MB  workspace %.1f MB  cuBLAS dense %.1f TFLOP/s\n", o.shapes[i].c_str(),
-                hash, res[i][0].context_bytes / 1e6, res[i][0].workspace_bytes / 1e6, cublas_tf);
+    std::printf("%-7s dx_hash %s  fused comm CTAs %d  context %.1f MB  workspace %.1f MB  cuBLAS dense %.1f TFLOP/s\n", o.shapes[i].c_str(),
+                hash, res[i][0].fused_comm, res[i][0].context_bytes / 1e6, res[i][0].workspace_bytes / 1e6, cublas_tf);
     results << (i ? ",\n  " : "") << "{\"bench\": \"backward\", \"shape\": \"" << o.shapes[i] << "\", \"ep\": " << ep
             << ", \"tokens_per_rank\": " << s.tokens << ", \"routing\": \"uniform\", \"warm_ms\": " << fmt(o.warm_ms)
-            << ", \"bwd_path\": \"staged\", \"grad_mode\": \"" << (o.mode == GradMode::kWriteBf16 ? "bf16" : "fp32")
+            << ", \"bwd_path\": \"" << (fused_default ? "fused" : "staged") << "\", \"fused_comm_ctas\": " << res[i][0].fused_comm << ", \"grad_mode\": \"" << (o.mode == GradMode::kWriteBf16 ? "bf16" : "fp32")
             << "\", \"metrics\": {"
             << "\"bwd_ms\": " << fmt(bwd) << ", \"bwd_tflops\": " << fmt(tf) << ", \"bwd_gemms_alone_ms\": " << fmt(gemms)
-            << ", \"bwd_unfused_ms\": " << fmt(unfused) << ", \"bwd_staged_ms\": " << fmt(bwd)
+            << ", \"bwd_unfused_ms\": " << fmt(unfused) << ", \"bwd_staged_ms\": " << fmt(staged)
+            << ", \"bwd_fused_ms\": " << fmt(fused) << ", \"staged_over_fused\": " << fmt(staged / fused)
+            << ", \"fused_dx_equals_staged\": " << (fs ? "true" : "false")
             << ", \"cublas_dense_tflops\": " << fmt(cublas_tf) << ", \"bwd_tflops_over_cublas\": " << fmt(tf / cublas_tf)
             << ", \"bwd_over_gemms_alone\": " << fmt(bwd / gemms) << ", \"unfused_over_bwd\": " << fmt(unfused / bwd)
             << ", \"unfused_dx_equals_staged\": " << (us ? "true" : "false") << ", \"context_bytes\": "

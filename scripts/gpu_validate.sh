@@ -59,6 +59,8 @@ run() {
   step test_comm_boot    20 $BIN/test_comm_bootstrap
   step test_forward     300 $BIN/test_forward
   step test_backward    300 $BIN/test_backward
+  # the whole backward suite again on the fused backward (MOK_BACKWARD_PATH, default staged)
+  step test_backward_fused 300 env MOK_BACKWARD_PATH=fused $BIN/test_backward
   step torchrun          40 $TR --no-python --nproc_per_node=$NGPU --master_port 29571 $BIN/test_comm_torchrun
   step memcheck_gemm     60 $SAN --tool memcheck $BIN/test_gemm --gtest_filter='*SanitizerSmall*'
   step racecheck_gemm    60 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*'
@@ -68,12 +70,15 @@ run() {
   step memcheck_comm    120 $SAN --tool memcheck $BIN/test_comm --gtest_filter='Ep1/CommPipeline.*:Ep1/CommCtaCounts.*AllTokens*'
   step memcheck_bwd     150 $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc:Shapes/BackwardVsReference.*top8_E16_shared_ep1_bf16'
   step racecheck_bwd    300 $SAN --tool racecheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc'
+  step memcheck_bwd_fused 150 env MOK_BACKWARD_PATH=fused $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc:Shapes/BackwardVsReference.*top8_E16_shared_ep1_bf16'
+  step racecheck_bwd_fused 300 env MOK_BACKWARD_PATH=fused $SAN --tool racecheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*T200_top2_shared_ep1_fp32acc'
   step demo_gpu          90 $BIN/mok demo --steps 150 --log-every 50
   step soak             400 $BIN/mok soak --steps ${SOAK_STEPS:-2000} --out "$OUT/soak.json"
   # EP 2 as simulated ranks on one GPU (tests/gpu/test_comm_harness.cuh): every peer pointer is
   # on this device, so memcheck sees the cross-rank stores too. Only with fewer GPUs than 2.
   if [ "$NGPU" -lt 2 ]; then
     step memcheck_bwd_sim 150 $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*top8_E16_shared_ep2_fp32acc'
+    step memcheck_bwd_fused_sim 150 env MOK_BACKWARD_PATH=fused $SAN --tool memcheck $BIN/test_backward --gtest_filter='Shapes/BackwardVsReference.*top8_E16_shared_ep2_fp32acc'
     step memcheck_fwd_sim 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep2:Ep/ForwardMacrobatch.*topk8_ep2:Ep/FusedVsStaged.*tails_blocks_ep2'
   fi
   if [ "${BENCH:-0}" = 1 ]; then

@@ -1,8 +1,8 @@
 // `mok soak`: training steps of a mid-size layer on every local GPU (EP = the GPUs) with fresh
 // random routing every step, cycling through uniform, Zipf-skewed (s = 1.2), all tokens to one
 // expert, and empty experts (only every 4th expert routed to). Each step runs schedule + forward +
-// backward twice on the same inputs, once on the fused forward and once on the staged one
-// (MOK_FORWARD_PATH's two paths; the backward is the staged GPU backward in both), and compares
+// backward twice on the same inputs, once on the fused forward and backward and once on the staged
+// ones (MOK_FORWARD_PATH's and MOK_BACKWARD_PATH's two paths), and compares
 // y, dx, d topk_w and every weight gradient bit for bit. Every other cycle of the four patterns
 // the call carries fewer tokens than the workspace (ragged T, drawn per step). Counts the steps with a mismatch and the
 // errors (any mok::Error from Workspace::check()); exit status 1 when either is not zero.
@@ -106,7 +106,7 @@ int run_soak(const Options& opts) {
   config.capacity = shape.ep;  // skewed routing may send every row to one rank: never an overflow
   config.validate(shape);
   std::printf("mok soak: %s, %lld steps, routing per step cycling %s / %s / %s / %s (fresh each step), fused vs "
-              "staged forward, each followed by the GPU backward, every output compared bit for bit\n",
+              "staged forward and backward, every output compared bit for bit\n",
               shape.to_string().c_str(), static_cast<long long>(steps), kPatterns[0], kPatterns[1], kPatterns[2],
               kPatterns[3]);
   std::printf("  every other cycle of the patterns a ragged call: T drawn in [1, %lld] (the same on every rank, outputs poisoned first)\n",
@@ -146,6 +146,7 @@ int run_soak(const Options& opts) {
       bool failed = false;
       for (PassOut* o : {&fused, &staged}) {
         ws->impl().forward_path = o == &fused ? megakernel::ForwardPath::kFused : megakernel::ForwardPath::kStaged;
+        ws->impl().backward_path = o == &fused ? megakernel::BackwardPath::kFused : megakernel::BackwardPath::kStaged;
         try {
           schedule(*ws, layer.topk_idx.get(), call_tokens, st);
           forward(*ws, ForwardArgs{layer.x.get(), layer.topk_w.get(), o->y.get(), ctx.get()}, w, st);

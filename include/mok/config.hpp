@@ -13,9 +13,10 @@ struct Config {
   // comm_sms_forward 0 = automatic (effective_comm_sms_forward): at EP >= 2 enough CTAs to move
   // the pass's token rows in about the time its GEMMs take on the other SMs; at EP 1 (no
   // combine; the comm CTAs join the GEMM work after their dispatch share) at least one per
-  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: at EP 1 the whole grid
-  // (grid_sms, else every SM), since the backward's communication launches run alone on the
-  // stream; at EP >= 2 16 (fitted to grid_sms). With
+  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: the staged backward's
+  // communication launches (and the fused backward's x pull before its kernel) at EP 1 the
+  // whole grid (grid_sms, else every SM), since they run alone on the stream, at EP >= 2 16
+  // (fitted to grid_sms); the fused backward's kernel the forward's count. With
   // grid_sms set, the forward's automatic count is fitted to leave at least one GEMM SM; an
   // explicit one must be below grid_sms. Any count gives the same bits.
   int comm_sms_forward = 0;
@@ -56,7 +57,12 @@ struct Config {
   // The communication CTAs of the forward / backward actually used (resolves 0 = automatic).
   int effective_comm_sms_forward(const LayerShape& shape) const;
   // device_sms: the SMs of the device the backward runs on (used when grid_sms is 0; 0 = unknown: 16).
+  // The staged backward's communication launches (and the fused backward's x pull before its kernel).
   int effective_comm_sms_backward(const LayerShape& shape, int device_sms) const;
+  // The fused backward kernel's communication CTAs (MOK_BACKWARD_PATH=fused): comm_sms_backward,
+  // or (automatic) the forward's count (the same rows move; at EP 1 they take GEMM tasks after
+  // their share of the dy pull). device_sms: unused (kept beside effective_comm_sms_backward's).
+  int effective_comm_sms_fused_backward(const LayerShape& shape, int device_sms) const;
 };
 
 }  // namespace mok

@@ -145,6 +145,14 @@ int Config::effective_comm_sms_backward(const LayerShape& shape, int device_sms)
   return fit_grid(16, grid_sms);
 }
 
+int Config::effective_comm_sms_fused_backward(const LayerShape& shape, int /*device_sms*/) const {
+  if (comm_sms_backward > 0) return comm_sms_backward;
+  // The same rows move as in the forward (dy in, dx out). At EP 1 the comm CTAs join the GEMM
+  // work after their share of the pull; every CTA but one pulling measured the same
+  // (2026-12-04, docs/experiments.md).
+  return effective_comm_sms_forward(shape);
+}
+
 std::string Config::to_string() const {
   std::ostringstream s;
   s << "comm_sms_forward=" << comm_sms_forward << " comm_sms_backward=" << comm_sms_backward

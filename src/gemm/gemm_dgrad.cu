@@ -4,12 +4,13 @@
 #include "mok/error.hpp"
 
 #include "gemm/grouped_gemm.hpp"
+#include "gemm/dgrad_params.cuh"
 #include "gemm/sm90_kinds_rows.cuh"
 #include "gemm/sm90_launch.cuh"
 
 namespace mok::gemm {
 
-void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStream_t stream) {
+DgradHiddenParams dgrad_hidden_params(const DgradHiddenArgs& a, const Launch& launch) {
   using host::check_pointer;
   host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
   check_pointer("dys", a.dys);
@@ -37,15 +38,22 @@ void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStr
   // The L2 prefetch of g, u goes out when the producer loads K step k_steps - kDhPrefetchAhead
   // (gemm_config.hpp).
   p.prefetch_at = kDhPrefetchAhead > 0 ? std::max(p.k_steps - kDhPrefetchAhead, 0) : -1;
+  if (a.row_w != nullptr && a.dw_part == nullptr) {
+    throw_invalid("dw_part", "a device array [buffer_rows, ceil(I/256)] with row_w", "nullptr");
+  }
+  return p;
+}
+
+void dgrad_hidden_swiglu(const DgradHiddenArgs& a, const Launch& launch, cudaStream_t stream) {
+  DgradHiddenParams p = dgrad_hidden_params(a, launch);
   if (a.row_w != nullptr) {
-    if (a.dw_part == nullptr) throw_invalid("dw_part", "a device array [buffer_rows, ceil(I/256)] with row_w", "nullptr");
     host::launch_row_kind<DgradHiddenRoutedKind>(p, launch, stream);
   } else {
     host::launch_row_kind<DgradHiddenKind>(p, launch, stream);
   }
 }
 
-void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t stream) {
+DgradInputParams dgrad_input_params(const DgradInputArgs& a, const Launch& launch) {
   using host::check_pointer;
   host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
   check_pointer("dg", a.dg);
@@ -63,6 +71,11 @@ void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t str
   p.sched = host::row_scheduler(a.seg, H, 256, kGroupM);
   p.k_steps = static_cast<int>(2 * I / 64);
   p.hidden = static_cast<int>(H);
+  return p;
+}
+
+void dgrad_input(const DgradInputArgs& a, const Launch& launch, cudaStream_t stream) {
+  DgradInputParams p = dgrad_input_params(a, launch);
   host::launch_row_kind<DgradInputKind>(p, launch, stream);
 }
 

@@ -108,6 +108,16 @@ megakernel::StagedBackwardOptions backward_options(const Workspace::Impl& impl) 
   return options;
 }
 
+// The fused backward's kernel and its launches before it (the x pull: the staged backward's count).
+megakernel::FusedBackwardOptions fused_backward_options(const Workspace::Impl& impl) {
+  megakernel::FusedBackwardOptions options;
+  options.comm_ctas = impl.config.effective_comm_sms_fused_backward(impl.shape, comm::device_sms());
+  options.grid = impl.config.grid_sms;
+  options.timeout_s = impl.config.wait_timeout_s;
+  options.prologue_ctas = backward_options(impl).comm_ctas;
+  return options;
+}
+
 // The saved context as the backward reads it: without activations (g == nullptr) it recomputes them.
 megakernel::SavedContext as_saved(const Context::Impl& ctx) {
   megakernel::SavedContext c = ctx.saved;
@@ -153,8 +163,14 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   }
   DeviceGuard guard(impl.device);
   const megakernel::GradInputs defer = deferred_inputs(ctx);
-  megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
-                              backward_options(impl), stream, args.defer_weight_grads ? &defer : nullptr);
+  const megakernel::GradInputs* into = args.defer_weight_grads ? &defer : nullptr;
+  if (impl.backward_path == megakernel::BackwardPath::kFused) {
+    megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
+                               fused_backward_options(impl), stream, into);
+  } else {
+    megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
+                                backward_options(impl), stream, into);
+  }
   ctx.state = args.defer_weight_grads ? Context::Impl::State::kAwaitingWgrad : Context::Impl::State::kConsumed;
   impl.last_stream = stream;
 }

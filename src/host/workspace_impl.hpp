@@ -12,6 +12,7 @@
 #include "comm/comm_state.hpp"
 #include "comm/simulated_group.hpp"
 #include "megakernel/context.hpp"
+#include "megakernel/fused_backward.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_backward.hpp"
 #include "megakernel/staged_forward.hpp"
@@ -49,6 +50,7 @@ struct Workspace::Impl {
   // Which forward mok::forward runs: the fused kernel (default) or the staged launches
   // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
   megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;
+  megakernel::BackwardPath backward_path = megakernel::BackwardPath::kStaged;
   // The fused path's undecided choices (FusedForwardOptions::join_gemm, epilogue_push,
   // fused_topk_sum; the comm CTAs, grid and timeout come from `config`). Defaults as there;
   // tests and benches set them to compare (same bits).

@@ -58,7 +58,7 @@ __device__ __forceinline__ void comm_stamp(const Sink& s, int cta, CommField f) 
   if (threadIdx.x == 0) s.comm[cta * kCommFields + f] = now();
 }
 __device__ __forceinline__ void task_stamp(const Sink& s, int cta, int j, TaskField f) {
-  if (j < kMaxTasks) s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + f] = now();
+  if (j < kMaxTasks && s.gemm != nullptr) s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + f] = now();
 }
 __device__ __forceinline__ void token_stamp(uint64_t* tokens, uint32_t u, TokenField f, uint64_t v) {
   if (tokens != nullptr) tokens[static_cast<int64_t>(u) * kTokenFields + f] = v;
@@ -66,7 +66,7 @@ __device__ __forceinline__ void token_stamp(uint64_t* tokens, uint32_t u, TokenF
 // (row_tile < 2^16 and real_rows <= 128 fit their fields)
 __device__ __forceinline__ void task_desc(const Sink& s, int cta, int j, int kind, int minibatch, int n_tile,
                                           int row_tile, int real_rows) {
-  if (j < kMaxTasks) {
+  if (j < kMaxTasks && s.gemm != nullptr) {
     s.gemm[(static_cast<int64_t>(cta) * kMaxTasks + j) * kTaskFields + kTaskDesc] =
         static_cast<uint64_t>(kind) | static_cast<uint64_t>(minibatch) << 8 | static_cast<uint64_t>(n_tile) << 24 |
         static_cast<uint64_t>(row_tile & 0xFFFF) << 40 | static_cast<uint64_t>(real_rows & 0xFF) << 56;

@@ -119,6 +119,8 @@ gemm::WgradOut wgrad_out(GradMode mode) {
   return mode == GradMode::kWriteBf16 ? gemm::WgradOut::kWriteBf16 : gemm::WgradOut::kAccumulateFp32;
 }
 
+}  // namespace
+
 void check_grads(const LayerShape& s, const WeightGrads& g) {
   if (g.mode != GradMode::kWriteBf16 && g.mode != GradMode::kAccumulateFp32) {
     throw_invalid("WeightGrads.mode", "GradMode::kWriteBf16 or GradMode::kAccumulateFp32",
@@ -140,6 +142,9 @@ void check_grads(const LayerShape& s, const WeightGrads& g) {
     }
   }
 }
+
+namespace {
+
 
 // GEMM 1 + SwiGLU of the forward (shared, then routed) on the x rows into out's g, u; h goes to
 // the hs scratch (rebuilt later). The shared expert reads fwd.shared_x (x, padding rows zero).
@@ -294,7 +299,8 @@ namespace {
 // no peer reads the window: the pulls read the caller's x and dy in place (DispatchRole::own_x),
 // as the fused forward does, and the two staging copies are skipped.
 void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const comm::ScheduleView& v,
-                    const BackwardArgs& args, const StagedBackwardOptions& o, bool weights, cudaStream_t stream) {
+                    const BackwardArgs& args, const StagedBackwardOptions& o, bool weights, cudaStream_t stream,
+                    bool pull_dy = true) {
   const LayerShape& s = state.shape();
   const comm::SymmetricLayout& layout = state.layout();
   const int64_t T = v.tokens, H = s.hidden, K = s.topk, R = bwd.buffer_rows;  // this call's T
@@ -315,13 +321,13 @@ void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   }
   bf16* const x_rows = x_rows_of(state, bwd);
   comm::DispatchLaunch pull_x = state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.x, x_rows);
-  comm::DispatchLaunch pull_dy = state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get());
+  comm::DispatchLaunch dy_launch = state.dispatch_launch(o.comm_ctas, /*dedup=*/true, v, layout.dy, bwd.dy_rows.get());
   if (in_place) {
     pull_x.role.own_x = reinterpret_cast<const char*>(args.x);
-    pull_dy.role.own_x = reinterpret_cast<const char*>(args.dy);
+    dy_launch.role.own_x = reinterpret_cast<const char*>(args.dy);
   }
-  comm::launch_dispatch(pull_x, stream);
-  comm::launch_dispatch(pull_dy, stream);
+  comm::launch_dispatch(pull_x, stream);  // its start barrier: x, dy, topk_w staged on every rank
+  if (pull_dy) comm::launch_dispatch(dy_launch, stream);
   if (weights) {
     gather_row_weights<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, R, state.peers(),
                                                                      layout.topk_w, static_cast<int>(K),
@@ -344,22 +350,15 @@ void deferred_weight_grads(comm::CommState& state, ForwardBuffers& fwd, Backward
                  kSharedWgrad | kRoutedWgrad, &in);
 }
 
-void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
-                     const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
-                     const StagedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {
+SavedContext backward_prologue(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                               const SavedContext& saved, const BackwardArgs& args, const ExpertWeights& w,
+                               const StagedBackwardOptions& o, bool pull_dy, cudaStream_t stream) {
   const LayerShape& s = state.shape();
-  if (defer == nullptr) check_grads(s, grads);  // before anything is enqueued
   const comm::ScheduleView& v = saved.schedule;
-  const comm::SymmetricLayout& layout = state.layout();
-  const int64_t T = v.tokens, H = s.hidden, K = s.topk;  // this call's T (the forward's)
-  const int64_t R = bwd.buffer_rows;
-
   // Stage x, dy and the router weights where the rows' holders read them; pull the x rows (for
   // the gate/up weight gradients) and dy rows over the forward's routing table.
-  check_router_weights(state, args.topk_w, T, stream);
-  stage_and_pull(state, fwd, bwd, v, args, o, /*weights=*/true, stream);
-  bf16* const x_rows = x_rows_of(state, bwd);
-
+  check_router_weights(state, args.topk_w, v.tokens, stream);
+  stage_and_pull(state, fwd, bwd, v, args, o, /*weights=*/true, stream, pull_dy);
   // A routing-only context: g, u (shared g, u) again from the x rows, GEMM 1 of the forward.
   SavedContext used = saved;
   if (saved.g == nullptr) {
@@ -367,28 +366,48 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
     used.u = bwd.u.get();
     used.shared_g = s.has_shared() ? bwd.shared_g.get() : nullptr;
     used.shared_u = s.has_shared() ? bwd.shared_u.get() : nullptr;
-    run_gemm1(state, fwd, bwd, used, x_rows, w, o, stream);
+    run_gemm1(state, fwd, bwd, used, x_rows_of(state, bwd), w, o, stream);
   }
+  return used;
+}
 
-  if (defer != nullptr) {  // no weight gradients now: dg, du, hs stay in the context
-    backward_gemms(state, fwd, bwd, used, w, WeightGrads{}, o, /*with_hs=*/true, stream,
-                   kAllBackwardGemms & ~(kSharedWgrad | kRoutedWgrad), defer);
-  } else {
-    backward_gemms(state, fwd, bwd, used, w, grads, o, /*with_hs=*/true, stream);
-  }
-
+void backward_finish(comm::CommState& state, BackwardBuffers& bwd, const comm::ScheduleView& v,
+                     const BackwardArgs& args, const StagedBackwardOptions& o, bool push_dtopk_rows, bool combine,
+                     cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const comm::SymmetricLayout& layout = state.layout();
+  const int64_t T = v.tokens, H = s.hidden, K = s.topk;  // this call's T (the forward's)
+  const int64_t R = bwd.buffer_rows;
   // d topk_w to the owners, dx rows to the owners' slots (the combine's barrier covers both).
-  push_dtopk<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, bwd.dw_part.get(),
-                                                           static_cast<int>(bwd.col_tiles), state.peers(), layout.dtopk,
-                                                           static_cast<int>(K));
-  MOK_CUDA_CHECK(cudaGetLastError());
-  comm::launch_combine(state.combine_launch(bwd.dx_rows.get(), o.comm_ctas, /*own_rows_in_place=*/true, v), stream);
+  if (push_dtopk_rows) {
+    push_dtopk<<<blocks_for(R, 256, 1024), 256, 0, stream>>>(v.header, v.rows, bwd.dw_part.get(),
+                                                             static_cast<int>(bwd.col_tiles), state.peers(),
+                                                             layout.dtopk, static_cast<int>(K));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  if (combine) {
+    comm::launch_combine(state.combine_launch(bwd.dx_rows.get(), o.comm_ctas, /*own_rows_in_place=*/true, v), stream);
+  }
   state.epilogue(bwd.ones.get(), s.has_shared() ? bwd.shared_dx.get() : nullptr, bwd.dx_rows.get(), args.dx, v, stream);
   MOK_CUDA_CHECK(cudaMemcpyAsync(args.dtopk_w, state.dtopk_landing(), T * K * sizeof(float), cudaMemcpyDeviceToDevice,
                                  stream));
   poison_backward<<<blocks_for(T * H * 2 / 16, 256, 1024), 256, 0, stream>>>(
       v.header, state.error_record(), reinterpret_cast<uint4*>(args.dx), T * H * 2 / 16, args.dtopk_w, T * K);
   MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                     const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
+                     const StagedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {
+  if (defer == nullptr) check_grads(state.shape(), grads);  // before anything is enqueued
+  const SavedContext used = backward_prologue(state, fwd, bwd, saved, args, w, o, /*pull_dy=*/true, stream);
+  if (defer != nullptr) {  // no weight gradients now: dg, du, hs stay in the context
+    backward_gemms(state, fwd, bwd, used, w, WeightGrads{}, o, /*with_hs=*/true, stream,
+                   kAllBackwardGemms & ~(kSharedWgrad | kRoutedWgrad), defer);
+  } else {
+    backward_gemms(state, fwd, bwd, used, w, grads, o, /*with_hs=*/true, stream);
+  }
+  backward_finish(state, bwd, saved.schedule, args, o, /*push_dtopk_rows=*/true, /*combine=*/true, stream);
 }
 
 }  // namespace mok::megakernel

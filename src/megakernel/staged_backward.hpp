@@ -66,6 +66,23 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
                      const BackwardArgs& args, const ExpertWeights& weights, const WeightGrads& grads,
                      const StagedBackwardOptions& options, cudaStream_t stream, const GradInputs* defer = nullptr);
 
+// The staged backward's steps, also the fused backward's (fused_backward.cu) before and after its kernel:
+// backward_prologue: the router weights checked; x, dy, topk_w staged; the x rows pulled (its
+// start barrier: everything staged on every rank); with pull_dy the dy rows too; each row's
+// router weight; padding rows zeroed; a routing-only context's g, u recomputed. Returns the
+// context the GEMMs read (g, u from the recompute scratch for a routing-only one).
+SavedContext backward_prologue(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                               const SavedContext& saved, const BackwardArgs& args, const ExpertWeights& weights,
+                               const StagedBackwardOptions& options, bool pull_dy, cudaStream_t stream);
+// backward_finish: d topk_w to the owners (push_dtopk_rows), the dx rows to the owners' slots and
+// the barrier of all ranks (combine), the fixed-order dx sum, d topk_w out of the landing slots,
+// dx and d topk_w poisoned on any error.
+void backward_finish(comm::CommState& state, BackwardBuffers& bwd, const comm::ScheduleView& v,
+                     const BackwardArgs& args, const StagedBackwardOptions& options, bool push_dtopk_rows,
+                     bool combine, cudaStream_t stream);
+// Checks WeightGrads (mode, pointers, expert strides); throws kInvalidArgument naming the field.
+void check_grads(const LayerShape& shape, const WeightGrads& grads);
+
 // The weight gradients a deferring staged_backward left out (Megatron's backward_dw): x and dy
 // pulled again over the saved routing table, then the K-grouped weight gradients from `in`
 // (the context's dg, du, hs). Collective like the backward itself. The same bits as one call.

@@ -14,6 +14,7 @@
 
 #include "test_comm_harness.cuh"
 #include "test_problem.cuh"
+#include "megakernel/fused_backward.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "reference/layer.hpp"
 
@@ -409,6 +410,40 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BackwardVsReference,
                            return std::string(bwd_cases()[std::get<1>(info.param)].name) + "_ep" +
                                   std::to_string(std::get<0>(info.param)) +
                                   (std::get<2>(info.param) == 0 ? "_fp32acc" : "_bf16");
+                         });
+
+// The fused backward (the default) against the staged one, its oracle: every output and weight
+// gradient bit for bit, every case, EP 1 and 2, both GradModes, a deferring call too.
+class BackwardFusedVsStaged : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+TEST_P(BackwardFusedVsStaged, SameBits) {
+  const auto [ep, which] = GetParam();
+  MOK_REQUIRE_RANKS(ep);
+  const BwdCase& c = bwd_cases()[which];
+  const LayerShape s = with_ep(c.shape, ep);
+  const Problem p = make_problem(s, c.pattern, 7000 + which * 10 + ep);
+  const auto dy = make_dy(s, 7100 + which);
+  for (GradMode mode : {GradMode::kAccumulateFp32, GradMode::kWriteBf16}) {
+    RunOptions fused;
+    fused.mode = mode;
+    fused.configure = [](Workspace& ws) { ws.impl().backward_path = megakernel::BackwardPath::kFused; };
+    RunOptions staged = fused;
+    staged.configure = [](Workspace& ws) { ws.impl().backward_path = megakernel::BackwardPath::kStaged; };
+    const std::string what = std::string(c.name) + " ep " + std::to_string(ep) + " mode " + std::to_string(int(mode));
+    const auto want = run_backward(p, dy, bwd_config(s), staged);
+    expect_same_bits(run_backward(p, dy, bwd_config(s), fused)[0], want[0], what);
+    if (which == 0) {  // the deferred weight gradients after a fused backward
+      RunOptions split = fused;
+      split.defer = true;
+      expect_same_bits(run_backward(p, dy, bwd_config(s), split)[0], want[0], what + " deferred");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BackwardFusedVsStaged,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6)), [](const auto& info) {
+                           return std::string(bwd_cases()[std::get<1>(info.param)].name) + "_ep" +
+                                  std::to_string(std::get<0>(info.param));
                          });
 
 // D1: many repeats, every output and weight gradient bitwise equal (MOK_TEST_D1_REPEATS, default 100).

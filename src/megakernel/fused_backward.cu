@@ -1,0 +1,394 @@
+// The fused backward kernel (entry: role dispatch only), its hooks of the task roles, and its
+// host launcher (fused_backward.hpp says what runs where).
+#include "megakernel/fused_backward.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "comm/barrier.cuh"
+#include "comm/cuda_check.hpp"
+#include "comm/roles.hpp"
+#include "gemm/dgrad_params.cuh"
+#include "gemm/gemm_host.hpp"
+#include "megakernel/fused_comm.cuh"
+#include "megakernel/fused_roles.cuh"
+#include "megakernel/task_roles.cuh"
+
+namespace mok::megakernel {
+namespace {
+
+// The backward's tasks on the forward's task list: kSharedGemm1 / kGemm1 = dh + SwiGLU backward
+// (shared / routed: the routed one with the router weights and the d topk_w parts), kSharedGemm2
+// / kGemm2 = dx. The routed dh loads exactly as the plain one (same load_stage, same Cfg).
+using DhKind = gemm::DgradHiddenKind<1>;
+using DhRoutedKind = gemm::DgradHiddenRoutedKind<1>;
+using DxKind = gemm::DgradInputKind<1>;
+using BwdCfg = DhKind::Cfg;
+static_assert(std::is_same_v<BwdCfg, DxKind::Cfg>, "one shared-memory layout serves both dgrad kinds");
+static_assert(BwdCfg::kThreads == FusedCta::kThreads && BwdCfg::kSmemBytes == FusedCta::kSmemBytes,
+              "the backward's CTAs have the forward's shape");
+
+// d topk_w of each real row, pushed by the communication CTAs at EP >= 2 once its row tile's dh
+// is complete: its column-tile parts summed in tile order (push_dtopk's bits) into the token
+// owner's landing slot (t, k).
+struct DtopkPush {
+  const comm::ScheduleHeader* header = nullptr;
+  const comm::RowEntry* rows = nullptr;
+  const float* parts = nullptr;  // [buffer_rows, col_tiles]
+  int col_tiles = 0;
+  size_t dtopk_offset = 0;  // SymmetricLayout::dtopk
+  int topk = 0;
+  const uint32_t* dh_done = nullptr;  // g1_done
+  uint32_t dh_target = 0;
+};
+
+struct FusedBackwardParams {
+  using Cfg = BwdCfg;
+  gemm::DgradHiddenParams shared_dh, routed_dh;  // routed_dh.sched: the expert segments
+  gemm::DgradInputParams shared_dx, routed_dx;
+  TaskList tasks;
+  int shared_tokens = 0;  // T
+  int experts = 0;        // E_local
+  uint32_t* s1_done = nullptr;  // shared dh row tiles (target 2 * shared_n1)
+  uint32_t* g1_done = nullptr;  // routed dh row tiles (target 2 * n1): dx, the d topk_w push
+  uint32_t* g2_done = nullptr;  // routed dx row tiles (target 2 * n2): the dx push
+  const uint32_t* ready = nullptr;  // the dy pull's per-minibatch counters
+  comm::ScheduleView view;
+  comm::DispatchRole pull_dy;
+  comm::CombineRole combine;  // dx rows -> the owners' slots, gated by g2_done
+  comm::GroupBarrier combine_done;
+  DtopkPush dtopk;
+  comm::WaitContext wait;
+  int comm_ctas = 0;
+  int combine_ctas = 0;  // comm CTAs [0, combine_ctas) push and meet the ranks; the others join the GEMM work
+  uint32_t* next_task = nullptr;
+  MOK_FWD_TRACE(trace::Sink trace;)  // (not recorded: zero)
+};
+
+// ---- the backward's hooks of the task roles (task_roles.cuh) --------------------------------
+
+__device__ __forceinline__ const gemm::ErrorSink& pass_err(const FusedBackwardParams& p) { return p.routed_dh.err; }
+__device__ __forceinline__ const gemm::DgradHiddenParams& dh_params(const FusedBackwardParams& p, TaskKind k) {
+  return is_shared(k) ? p.shared_dh : p.routed_dh;
+}
+__device__ __forceinline__ const gemm::DgradInputParams& dx_params(const FusedBackwardParams& p, TaskKind k) {
+  return is_shared(k) ? p.shared_dx : p.routed_dx;
+}
+
+__device__ inline TaskSlot task_slot(const FusedBackwardParams& p, const Task& t) {
+  TaskSlot s;
+  s.task = t;
+  s.tile = row_tile_of(p.routed_dh.sched, p.shared_tokens, 0, t);
+  s.k_steps = is_gemm1(t.kind) ? DhKind::k_steps(dh_params(p, t.kind), s.tile) : DxKind::k_steps(dx_params(p, t.kind), s.tile);
+  return s;
+}
+
+// Waits (one thread) until the task's inputs exist; a timed-out wait is recorded (dx is
+// poisoned) and the task runs on whatever is there, so the kernel still ends.
+__device__ inline void wait_for_inputs(const FusedBackwardParams& p, const Task& t) {
+  using comm::Scope;
+  switch (t.kind) {
+    case TaskKind::kSharedGemm1:
+      return;  // the shared expert's dy rows were staged before the kernel
+    case TaskKind::kSharedGemm2:
+      comm::wait_geq<Scope::kGpu>(p.s1_done + t.row_tile, 2u * p.tasks.shared_n1, comm::WaitSite::kHiddenRowTile,
+                                  p.wait);
+      break;
+    case TaskKind::kGemm1:
+      comm::wait_minibatch_ready(p.ready, p.view, t.minibatch, p.wait);
+      break;
+    case TaskKind::kGemm2:
+      comm::wait_geq<Scope::kGpu>(p.g1_done + t.row_tile, 2u * p.tasks.n1, comm::WaitSite::kHiddenRowTile, p.wait);
+      break;
+  }
+  fence_proxy_async_global();  // NOTE: generic or TMA writes of other CTAs before our TMA loads
+}
+
+__device__ inline bool produce_task(const FusedBackwardParams& p, const TaskSlot& slot,
+                                    gemm::SharedStorage<BwdCfg>& ss, gemm::PipeState<BwdCfg::kStages>& st) {
+  const TaskKind kind = slot.task.kind;
+  return is_gemm1(kind) ? produce_tile<DhKind>(dh_params(p, kind), slot, ss, st)
+                        : produce_tile<DxKind>(dx_params(p, kind), slot, ss, st);
+}
+
+template <class Acc>
+__device__ __forceinline__ void seed_task(const FusedBackwardParams& p, const TaskSlot& slot, const gemm::EpiCtx& ctx,
+                                          Acc& acc) {
+  DhKind::seed(p.routed_dh, slot.tile, ctx, acc);  // zeros (every row kind)
+}
+
+struct NoEpiloguePrep {};
+__device__ __forceinline__ NoEpiloguePrep prepare_epilogue(const FusedBackwardParams&, const TaskSlot&,
+                                                           const gemm::EpiCtx&) {
+  return {};
+}
+
+template <class Acc>
+__device__ __forceinline__ void epilogue_task(const FusedBackwardParams& p, const TaskList&, const TaskSlot& slot,
+                                              const gemm::EpiCtx& ctx, Acc& acc, NoEpiloguePrep) {
+  switch (slot.task.kind) {
+    case TaskKind::kSharedGemm1:
+      DhKind::epilogue(p.shared_dh, slot.tile, ctx, acc);
+      break;
+    case TaskKind::kGemm1:
+      DhRoutedKind::epilogue(p.routed_dh, slot.tile, ctx, acc);
+      // NOTE: every thread's d topk_w parts (generic stores) before thread 0 publishes the tile
+      // (the comm CTAs read them after acquiring g1_done).
+      gemm::named_barrier_sync(ctx.barrier_id(), gemm::kWarpGroupThreads);
+      break;
+    default:
+      DxKind::epilogue(dx_params(p, slot.task.kind), slot.tile, ctx, acc);
+      break;
+  }
+}
+
+// Bulk-store groups each epilogue commits (one per store_round): dh stores dg and du of two
+// 128-column halves; dx two 128-column halves.
+inline constexpr int kDhStoreGroups = 4;
+inline constexpr int kDxStoreGroups = 2;
+__device__ __forceinline__ void wait_stores_but_last(const FusedBackwardParams&, TaskKind last) {
+  if (is_gemm1(last)) bulk_wait_all_but<kDhStoreGroups>(); else bulk_wait_all_but<kDxStoreGroups>();
+}
+
+__device__ __forceinline__ uint32_t* done_counter(const FusedBackwardParams& p, const Task& t) {
+  switch (t.kind) {
+    case TaskKind::kSharedGemm1: return p.s1_done + t.row_tile;
+    case TaskKind::kGemm1: return p.g1_done + t.row_tile;
+    case TaskKind::kGemm2: return p.g2_done + t.row_tile;
+    case TaskKind::kSharedGemm2: return nullptr;  // read after the kernel only
+  }
+  return nullptr;
+}
+
+// ---- communication CTAs ---------------------------------------------------------------------
+
+// d topk_w of the rows of row tiles cta, cta + nctas, ... once each tile's dh is complete.
+__device__ inline void push_dtopk_tiles(const FusedBackwardParams& p, int cta, int nctas) {
+  const DtopkPush& d = p.dtopk;
+  if (d.header->status != static_cast<int32_t>(Status::kOk)) return;  // poisoned schedule
+  const int64_t tiles = d.header->padded_rows / kRowTile;
+  for (int64_t t = cta; t < tiles; t += nctas) {
+    int ok = 1;
+    if (threadIdx.x == 0) {
+      ok = comm::wait_geq<comm::Scope::kGpu>(d.dh_done + t, d.dh_target, comm::WaitSite::kHiddenRowTile, p.wait);
+    }
+    if (__syncthreads_and(ok) == 0) return;  // recorded; dx and d topk_w are poisoned
+    for (int r = threadIdx.x; r < kRowTile; r += blockDim.x) {
+      const int64_t row = t * kRowTile + r;
+      const comm::RowEntry e = d.rows[row];
+      if (e.src_rank < 0) continue;
+      float acc = 0.0f;
+      for (int n = 0; n < d.col_tiles; ++n) acc += __ldcg(d.parts + row * d.col_tiles + n);
+      reinterpret_cast<float*>(p.combine.peers.base[e.src_rank] + d.dtopk_offset)[int64_t{e.token} * d.topk + e.k] = acc;
+    }
+  }
+}
+
+// Pull the dy rows; then (the first combine_ctas) push the dx rows and d topk_w to their owners
+// and meet every rank at a barrier, or (the others) return true: the CTA then takes GEMM tasks.
+// No start barrier: the x pull before the kernel met every rank after its staging.
+__device__ bool backward_comm_cta(const FusedBackwardParams& p, int cta) {
+  dispatch_rows_pull<FusedCta::kWarps>(p.pull_dy, cta, p.comm_ctas);
+  if (cta >= p.combine_ctas) return true;
+  const int n = p.combine_ctas;
+  combine_rows_push<FusedCta::kWarps>(p.combine, cta, n);
+  push_dtopk_tiles(p, cta, n);
+  group_barrier_all(p.combine_done, static_cast<uint32_t>(n), p.combine.peers, p.wait);
+  return false;
+}
+
+// ---- GEMM CTAs and the kernel ---------------------------------------------------------------
+
+__device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_raw) {
+  auto* ss = reinterpret_cast<gemm::SharedStorage<BwdCfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                             ~uintptr_t(1023));
+  if (threadIdx.x == 0) {
+    ss->bars.init(gemm::empty_barrier_arrivals<BwdCfg>());
+    init_task_queue(*ss);
+    DhKind::prefetch_descriptors(p.routed_dh);
+    DxKind::prefetch_descriptors(p.routed_dx);
+  }
+  __syncthreads();
+  TaskList list = p.tasks;
+  list.set_routed_rows(p.routed_dh.sched.offsets, p.experts);
+  const int warpgroup = threadIdx.x / gemm::kWarpGroupThreads;
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<BwdCfg::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      gemm_producer(p, *ss);
+    } else if (threadIdx.x == 32) {
+      task_feeder(p, list, *ss, 0);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<BwdCfg::kConsumerRegs>();
+    gemm_consumer(p, list, *ss, 0);
+  }
+}
+
+__global__ void __launch_bounds__(FusedCta::kThreads, 1)
+    fused_backward_kernel(const __grid_constant__ FusedBackwardParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  const int cta = static_cast<int>(blockIdx.x);
+  bool gemm = cta >= p.comm_ctas;
+  if (!gemm && backward_comm_cta(p, cta)) {
+    __syncthreads();  // NOTE: the comm code's end in every thread before the GEMM role's barriers
+    gemm = true;
+  }
+  if (gemm) backward_gemm_cta(p, smem_raw);  // NOTE: one call site, inlined (ptxas C7510 otherwise)
+#endif
+}
+
+// ---- host -----------------------------------------------------------------------------------
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int kernel_sms() {
+  thread_local int cached_device = -1, cached_sms = 0;
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  if (device != cached_device) {
+    int blocks = 0;
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        FusedCta::kSmemBytes));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fused_backward_kernel, FusedCta::kThreads,
+                                                                 FusedCta::kSmemBytes));
+    if (blocks < 1) throw Error(Status::kCudaError, "mok fused backward: the kernel does not fit on an SM (occupancy 0)");
+    cached_sms = comm::device_sms();
+    cached_device = device;
+  }
+  return cached_sms;
+}
+
+// Every CTA must be resident at once (CTAs spin on each other): one per SM, grid <= SMs.
+int resolve_grid(const FusedBackwardOptions& o) {
+  const int sms = kernel_sms();
+  const int grid = o.grid > 0 ? o.grid : sms;
+  if (grid > sms) {
+    throw_invalid("Config.grid_sms", "at most the SMs of the device (" + std::to_string(sms) +
+                                         "): the fused backward's CTAs wait on each other and must all be resident",
+                  std::to_string(grid));
+  }
+  if (o.comm_ctas < 1 || o.comm_ctas >= grid) {
+    throw_invalid("Config.comm_sms_backward",
+                  "in [1, " + std::to_string(grid - 1) + "] (the fused backward's grid of " + std::to_string(grid) +
+                      " CTAs must keep at least one GEMM CTA)",
+                  std::to_string(o.comm_ctas));
+  }
+  if (!(o.timeout_s > 0)) throw_invalid("FusedBackwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
+  return grid;
+}
+
+FusedBackwardParams make_params(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                                const SavedContext& used, const BackwardArgs& args, const ExpertWeights& w,
+                                const GradInputs& out, const FusedBackwardOptions& o, int grid) {
+  const LayerShape& s = state.shape();
+  const comm::ScheduleView& v = used.schedule;
+  const comm::SymmetricLayout& layout = state.layout();
+  const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate, E = s.local_experts();
+  const int64_t R = bwd.buffer_rows;
+  const gemm::Launch launch = gemm_launch(fwd, grid, o.timeout_s);
+  const gemm::ErrorSink err{fwd.gemm_error.get(), static_cast<uint64_t>(o.timeout_s * 1e9)};
+  FusedBackwardParams p{};
+  if (s.has_shared()) {
+    const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
+    p.shared_dh = gemm::dgrad_hidden_params(
+        {seg, H, S, bwd.shared_dy.get(), w.shared_down, used.shared_g, used.shared_u, out.shared_dg, out.shared_du},
+        launch);
+    p.shared_dx = gemm::dgrad_input_params(
+        {seg, H, S, out.shared_dg, out.shared_du, w.shared_gate, w.shared_up, bwd.shared_dx.get()}, launch);
+    p.shared_dh.err = p.shared_dx.err = err;
+  }
+  const gemm::Segments seg{used.seg_offsets, used.seg_rows, static_cast<int>(E), R};
+  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, used.g, used.u, out.dg, out.du};
+  dh.w_down_stride = w.down_expert_stride;
+  dh.row_w = bwd.row_w.get();
+  dh.dw_part = bwd.dw_part.get();
+  p.routed_dh = gemm::dgrad_hidden_params(dh, launch);
+  p.routed_dx = gemm::dgrad_input_params(
+      {seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get(), w.gate_expert_stride, w.up_expert_stride}, launch);
+  p.routed_dh.err = p.routed_dx.err = err;
+
+  const comm::DispatchRole pull = state.dispatch_role(/*dedup=*/true, v);
+  p.tasks.shared_row_tiles = s.has_shared() ? static_cast<int>(fwd.shared_rows / kRowTile) : 0;
+  p.tasks.shared_n1 = static_cast<int>(ceil_div(S, 256));
+  p.tasks.n1 = static_cast<int>(ceil_div(I, 256));
+  p.tasks.n2 = static_cast<int>(ceil_div(H, 256));
+  p.tasks.tiles_per_minibatch = static_cast<int>(pull.tiles_per_minibatch);
+  p.tasks.group_m = gemm::kGroupM;
+  p.shared_tokens = static_cast<int>(v.tokens);
+  p.experts = static_cast<int>(E);
+  const int64_t shared_tiles = fwd.shared_rows / kRowTile, routed_tiles = R / kRowTile;
+  if (static_cast<int64_t>(fwd.tile_counters.size()) < shared_tiles + 2 * routed_tiles + 1) {
+    throw Error(Status::kInternal, "mok fused backward: the workspace's tile counters are too few for its row buffer");
+  }
+  p.s1_done = fwd.tile_counters.get();
+  p.g1_done = p.s1_done + shared_tiles;
+  p.g2_done = p.g1_done + routed_tiles;
+  p.next_task = p.g2_done + routed_tiles;
+  p.ready = pull.ready;
+  p.view = v;
+  p.wait = state.wait_context();
+  p.comm_ctas = o.comm_ctas;
+  // At EP 1 nothing moves after the pull (the own rows' dx is read in place by the sum, d topk_w
+  // is pushed after the kernel): every comm CTA joins the GEMM work. At EP >= 2 all of them push.
+  p.combine_ctas = s.ep == 1 ? 0 : o.comm_ctas;
+
+  p.pull_dy = pull;
+  p.pull_dy.x_offset = layout.dy;
+  p.pull_dy.row_buffer = reinterpret_cast<char*>(bwd.dy_rows.get());
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if (s.ep == 1 && aligned(args.x) && aligned(args.dy)) {  // backward_prologue's in-place rule
+    p.pull_dy.own_x = reinterpret_cast<const char*>(args.dy);
+  }
+  p.combine = state.combine_role(bwd.dx_rows.get(), /*own_rows_in_place=*/true, v);
+  p.combine.out_ready = p.g2_done;
+  p.combine.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);
+  p.dtopk = DtopkPush{v.header, v.rows, bwd.dw_part.get(), static_cast<int>(bwd.col_tiles), layout.dtopk,
+                      static_cast<int>(s.topk), p.g1_done, 2u * static_cast<uint32_t>(p.tasks.n1)};
+  if (p.combine_ctas > 0) p.combine_done = state.barrier(comm::SyncSite::kCombineDone);
+  return p;
+}
+
+}  // namespace
+
+BackwardPath backward_path_from_env() {
+  const char* v = std::getenv("MOK_BACKWARD_PATH");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "staged") == 0) return BackwardPath::kStaged;
+  if (std::strcmp(v, "fused") == 0) return BackwardPath::kFused;
+  throw_invalid("MOK_BACKWARD_PATH", "staged (default) or fused", v);
+}
+
+const char* backward_path_name(BackwardPath path) { return path == BackwardPath::kStaged ? "staged" : "fused"; }
+
+void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
+                    const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
+                    const FusedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {
+  const LayerShape& s = state.shape();
+  if (defer == nullptr) check_grads(s, grads);  // bad arguments throw before anything is enqueued
+  const int grid = resolve_grid(o);
+  StagedBackwardOptions steps;  // the launches before and after the kernel
+  steps.comm_ctas = o.prologue_ctas;
+  steps.gemm_grid = o.grid;
+  steps.timeout_s = o.timeout_s;
+  const SavedContext used = backward_prologue(state, fwd, bwd, saved, args, w, steps, /*pull_dy=*/false, stream);
+  const GradInputs out = defer != nullptr ? *defer : GradInputs::scratch(bwd);
+  // hs = bf16(w h) from g, u before dh may overwrite them (a deferring backward's dg, du go in place of g, u).
+  backward_gemms(state, fwd, bwd, used, w, WeightGrads{}, steps, /*with_hs=*/true, stream, /*parts=*/0u, &out);
+  FusedBackwardParams p = make_params(state, fwd, bwd, used, args, w, out, o, grid);
+  const comm::ScheduleBuffers& sb = state.schedule_buffers();
+  const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile + 1;
+  MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(fwd.tile_counters.get(), 0, fwd.tile_counters.bytes(), stream));
+  fused_backward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (defer == nullptr) {
+    backward_gemms(state, fwd, bwd, used, w, grads, steps, /*with_hs=*/false, stream, kSharedWgrad | kRoutedWgrad,
+                   &out);
+  }
+  backward_finish(state, bwd, used.schedule, args, steps, /*push_dtopk_rows=*/s.ep == 1, /*combine=*/false, stream);
+}
+
+}  // namespace mok::megakernel
