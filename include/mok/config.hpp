@@ -16,7 +16,8 @@ struct Config {
   // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: the staged backward's
   // communication launches (and the fused backward's x pull before its kernel) at EP 1 the
   // whole grid (grid_sms, else every SM), since they run alone on the stream, at EP >= 2 16
-  // (fitted to grid_sms); the fused backward's kernel the forward's count. With
+  // (fitted to grid_sms); the fused backward's kernel at EP 1 every SM but one, at EP >= 2 the
+  // forward's count (effective_comm_sms_fused_backward). With
   // grid_sms set, the forward's automatic count is fitted to leave at least one GEMM SM; an
   // explicit one must be below grid_sms. Any count gives the same bits.
   int comm_sms_forward = 0;
@@ -60,8 +61,8 @@ struct Config {
   // The staged backward's communication launches (and the fused backward's x pull before its kernel).
   int effective_comm_sms_backward(const LayerShape& shape, int device_sms) const;
   // The fused backward kernel's communication CTAs (MOK_BACKWARD_PATH=fused): comm_sms_backward,
-  // or (automatic) the forward's count (the same rows move; at EP 1 they take GEMM tasks after
-  // their share of the dy pull). device_sms: unused (kept beside effective_comm_sms_backward's).
+  // or (automatic) at EP 1 every CTA of the grid but one (all pull the local dy rows, then take
+  // GEMM tasks; 16 with device_sms unknown), at EP >= 2 the forward's count (the same rows move).
   int effective_comm_sms_fused_backward(const LayerShape& shape, int device_sms) const;
 };
 

@@ -145,12 +145,17 @@ int Config::effective_comm_sms_backward(const LayerShape& shape, int device_sms)
   return fit_grid(16, grid_sms);
 }
 
-int Config::effective_comm_sms_fused_backward(const LayerShape& shape, int /*device_sms*/) const {
+int Config::effective_comm_sms_fused_backward(const LayerShape& shape, int device_sms) const {
   if (comm_sms_backward > 0) return comm_sms_backward;
-  // The same rows move as in the forward (dy in, dx out). At EP 1 the comm CTAs join the GEMM
-  // work after their share of the pull; every CTA but one pulling measured the same
-  // (2026-12-04, docs/experiments.md).
-  return effective_comm_sms_forward(shape);
+  if (shape.ep == 1) {
+    // The dy rows are local and nothing moves after the pull: every CTA but one pulls, then all
+    // take GEMM tasks. 1x H200, bf16 grads, 2026-12-04 (6493ff5 and before): gptoss (no shared
+    // expert to hide the pull) 9.06-9.56 ms with 131 pulling, 9.22 with 16, 10.72 with the
+    // forward's 6; dsv3 and qwen3 within noise of each other (docs/experiments.md).
+    const int grid = grid_sms > 0 ? grid_sms : device_sms;
+    return grid > 1 ? grid - 1 : 16;
+  }
+  return effective_comm_sms_forward(shape);  // EP >= 2: the same rows move as in the forward
 }
 
 std::string Config::to_string() const {
