@@ -12,6 +12,8 @@
 #include "comm/cuda_check.hpp"
 #include "comm/device_buffer.hpp"
 #include "megakernel/bench_support.hpp"
+#include "megakernel/fused_backward.hpp"
+#include "megakernel/fused_forward.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
 #include "mok/version.hpp"
@@ -72,11 +74,13 @@ int run_bench(const Options& opts) {
   const LayerShape shape = megakernel::bench_shape(name, gpus, tokens);
   config.validate(shape);  // a bad --macrobatch names Config.macrobatch and the rows it takes
   const auto routing = megakernel::uniform_routing(shape, 2026);
-  const char* path = std::getenv("MOK_FORWARD_PATH");
+  // (the paths Workspace::create reads; a bad value throws here, naming the variable)
+  const char* fwd_path = megakernel::forward_path_name(megakernel::forward_path_from_env());
+  const char* bwd_path = megakernel::backward_path_name(megakernel::backward_path_from_env());
   const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
-  std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, staged backward; Config defaults%s; "
+  std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, %s backward; Config defaults%s; "
               "median of %d after %.0f ms of steady state)\n",
-              shape.to_string().c_str(), gpus, pass.c_str(), path && std::string(path) == "staged" ? "staged" : "fused",
+              shape.to_string().c_str(), gpus, pass.c_str(), fwd_path, bwd_path,
               resident < all ? (", macrobatch ring of " + std::to_string(resident) + " of " + std::to_string(all) +
                                 " routed rows").c_str()
                              : "",
