@@ -23,7 +23,7 @@
 // same sum); dx_hash (FNV-1a 64 of mok::backward's dx) compares builds.
 //
 //   bench_backward [--shapes dsv3,qwen3,gptoss] [--iters 10] [--warmup 3] [--warm-ms 300]
-//                  [--tokens N] [--ep N] [--grad-mode fp32|bf16] [--fused-comm N]
+//                  [--tokens N] [--ep N] [--grad-mode fp32|bf16] [--fused-comm N] [--trace PREFIX]
 //                  [--out bench/results/2026-12-03-backward.json]
 // --grad-mode (default fp32): weight gradients added into fp32 main grads, or written bf16. At EP 1
 // every expert's gradient is on one GPU (dsv3: 11.3 G parameters): fp32 adds read and write
@@ -46,6 +46,7 @@
 #include "host/workspace_impl.hpp"
 #include "megakernel/bench_support.hpp"
 #include "megakernel/fused_backward.hpp"
+#include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_backward.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
@@ -66,6 +67,7 @@ struct Options {
   int ep = 0;
   GradMode mode = GradMode::kAccumulateFp32;  // --grad-mode fp32 (add into fp32 main grads) | bf16 (write)
   int fused_comm = 0;  // --fused-comm N: the fused backward kernel's comm CTAs (0: as mok::backward picks them)
+  std::string trace;   // --trace PREFIX: one more fused backward, its trace to PREFIX-<shape>-r<rank>.bin
   std::string out = "bench_backward.json";
 };
 
@@ -79,6 +81,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--warm-ms") o.warm_ms = std::stod(v);
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--fused-comm") o.fused_comm = std::stoi(v);
+    else if (k == "--trace") o.trace = v;
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--out") o.out = v;
     else if (k == "--grad-mode") {
@@ -144,7 +147,8 @@ struct RankResult {
   bool fused_default = false;  // mok::backward runs the fused backward
 };
 
-RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<std::vector<int32_t>>& routing,
+RankResult run_shape(const Options& o, const std::string& name, const LayerShape& s,
+                     const std::vector<std::vector<int32_t>>& routing,
                      bootstrap::LocalRank& lr, std::barrier<>& sync) {
   RankResult res;
   Config cfg;  // capacity 2.0, automatic minibatch
@@ -197,6 +201,12 @@ RankResult run_shape(const Options& o, const LayerShape& s, const std::vector<st
   });
   ws->check();
   res.fused_vs_staged = megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
+  if (!o.trace.empty()) {  // (a -DMOK_FORWARD_TRACE build: main refuses --trace otherwise)
+    sync.arrive_and_wait();
+    megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
+    ws->check();
+    megakernel::forward_trace_dump(o.trace + "-" + name + "-r" + std::to_string(lr.rank) + ".bin");
+  }
   res.gemms_ms = time_ms(o, sync, st, [&] {
     megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads, megakernel::StagedBackwardOptions{},
                                false, st);
@@ -251,6 +261,10 @@ std::string fmt(double v) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
+  if (!o.trace.empty() && !megakernel::forward_trace_enabled()) {
+    std::fprintf(stderr, "bench_backward: --trace needs a build with -DMOK_FORWARD_TRACE=ON (cmake option)\n");
+    return 2;
+  }
   const int gpus = bootstrap::local_device_count();
   if (gpus < 1) {
     std::printf("bench_backward: no CUDA device visible, nothing measured\n");
@@ -268,7 +282,7 @@ int main(int argc, char** argv) {
   std::vector<int> devices(ep);
   for (int i = 0; i < ep; ++i) devices[i] = i;
   bootstrap::run_local_ranks(devices, [&](bootstrap::LocalRank& lr) {
-    for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, shapes[i], routings[i], lr, sync);
+    for (size_t i = 0; i < shapes.size(); ++i) res[i][lr.rank] = run_shape(o, o.shapes[i], shapes[i], routings[i], lr, sync);
   });
   std::ostringstream results;
   std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = %s; "

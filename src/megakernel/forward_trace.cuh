@@ -75,3 +75,15 @@ __device__ __forceinline__ void task_desc(const Sink& s, int cta, int j, int kin
 #endif
 
 }  // namespace mok::megakernel::trace
+
+#ifdef MOK_FORWARD_TRACE
+#include <cuda_runtime_api.h>
+namespace mok::megakernel {
+// The current host thread's trace buffers (fused_forward.cu): zeroed and the first event
+// recorded; a fused kernel records into the returned sink, trace_event(1..3) marks the phases
+// (kernel start, kernel end, pass end) and forward_trace_dump writes the last pass traced on
+// this thread, the fused forward's or the fused backward's (the same file layout).
+trace::Sink trace_begin(int grid, int comm_ctas, int64_t sum_tokens, cudaStream_t stream);
+void trace_event(int i, cudaStream_t stream);
+}  // namespace mok::megakernel
+#endif

@@ -64,7 +64,7 @@ struct FusedBackwardParams {
   int comm_ctas = 0;
   int combine_ctas = 0;  // comm CTAs [0, combine_ctas) push and meet the ranks; the others join the GEMM work
   uint32_t* next_task = nullptr;
-  MOK_FWD_TRACE(trace::Sink trace;)  // (not recorded: zero)
+  MOK_FWD_TRACE(trace::Sink trace;)  // the developer trace (fused_backward: trace_begin)
 };
 
 // ---- the backward's hooks of the task roles (task_roles.cuh) --------------------------------
@@ -190,18 +190,23 @@ __device__ inline void push_dtopk_tiles(const FusedBackwardParams& p, int cta, i
 // and meet every rank at a barrier, or (the others) return true: the CTA then takes GEMM tasks.
 // No start barrier: the x pull before the kernel met every rank after its staging.
 __device__ bool backward_comm_cta(const FusedBackwardParams& p, int cta) {
+  MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommStart);)
   dispatch_rows_pull<FusedCta::kWarps>(p.pull_dy, cta, p.comm_ctas);
+  MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommDispatchEnd);)
   if (cta >= p.combine_ctas) return true;
   const int n = p.combine_ctas;
   combine_rows_push<FusedCta::kWarps>(p.combine, cta, n);
   push_dtopk_tiles(p, cta, n);
+  MOK_FWD_TRACE(__syncthreads(); trace::comm_stamp(p.trace, cta, trace::kCommCombineEnd);)
   group_barrier_all(p.combine_done, static_cast<uint32_t>(n), p.combine.peers, p.wait);
+  MOK_FWD_TRACE(trace::comm_stamp(p.trace, cta, trace::kCommBarrier2);)
   return false;
 }
 
 // ---- GEMM CTAs and the kernel ---------------------------------------------------------------
 
-__device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_raw) {
+// trace_cta: this CTA's trace row (the developer trace build).
+__device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_raw, int trace_cta) {
   auto* ss = reinterpret_cast<gemm::SharedStorage<BwdCfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                              ~uintptr_t(1023));
   if (threadIdx.x == 0) {
@@ -219,11 +224,11 @@ __device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_ra
     if (threadIdx.x == 0) {
       gemm_producer(p, *ss);
     } else if (threadIdx.x == 32) {
-      task_feeder(p, list, *ss, 0);
+      task_feeder(p, list, *ss, trace_cta);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<BwdCfg::kConsumerRegs>();
-    gemm_consumer(p, list, *ss, 0);
+    gemm_consumer(p, list, *ss, trace_cta);
   }
 }
 
@@ -233,11 +238,13 @@ __global__ void __launch_bounds__(FusedCta::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const int cta = static_cast<int>(blockIdx.x);
   bool gemm = cta >= p.comm_ctas;
+  int trace_row = cta - p.comm_ctas;  // GEMM CTAs first, then the comm CTAs that join (as the forward)
   if (!gemm && backward_comm_cta(p, cta)) {
     __syncthreads();  // NOTE: the comm code's end in every thread before the GEMM role's barriers
     gemm = true;
+    trace_row = static_cast<int>(gridDim.x) - p.comm_ctas + cta;
   }
-  if (gemm) backward_gemm_cta(p, smem_raw);  // NOTE: one call site, inlined (ptxas C7510 otherwise)
+  if (gemm) backward_gemm_cta(p, smem_raw, trace_row);  // NOTE: one call site, inlined (ptxas C7510 otherwise)
 #endif
 }
 
@@ -369,6 +376,7 @@ void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const LayerShape& s = state.shape();
   if (defer == nullptr) check_grads(s, grads);  // bad arguments throw before anything is enqueued
   const int grid = resolve_grid(o);
+  MOK_FWD_TRACE(const trace::Sink sink = trace_begin(grid, o.comm_ctas, 0, stream);)
   StagedBackwardOptions steps;  // the launches before and after the kernel
   steps.comm_ctas = o.prologue_ctas;
   steps.gemm_grid = o.grid;
@@ -382,13 +390,16 @@ void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile + 1;
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(fwd.tile_counters.get(), 0, fwd.tile_counters.bytes(), stream));
+  MOK_FWD_TRACE(p.trace = sink; trace_event(1, stream);)
   fused_backward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
+  MOK_FWD_TRACE(trace_event(2, stream);)
   if (defer == nullptr) {
     backward_gemms(state, fwd, bwd, used, w, grads, steps, /*with_hs=*/false, stream, kSharedWgrad | kRoutedWgrad,
                    &out);
   }
   backward_finish(state, bwd, used.schedule, args, steps, /*push_dtopk_rows=*/s.ep == 1, /*combine=*/false, stream);
+  MOK_FWD_TRACE(trace_event(3, stream);)
 }
 
 }  // namespace mok::megakernel

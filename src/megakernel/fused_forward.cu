@@ -418,8 +418,11 @@ FusedForwardParams make_params(comm::CommState& state, ForwardBuffers& b, const 
   return p;
 }
 
+}  // namespace
+
 // ---- developer trace (-DMOK_FORWARD_TRACE, forward_trace.cuh) ---------------------------------
 #ifdef MOK_FORWARD_TRACE
+namespace {
 // Per host thread (bench_forward runs one rank per thread): the buffers of the current device
 // and the events around the last pass's phases.
 struct TraceState {
@@ -432,6 +435,7 @@ struct TraceState {
   bool recorded = false;
 };
 thread_local TraceState g_trace;
+}  // namespace
 
 trace::Sink trace_begin(int grid, int comm_ctas, int64_t sum_tokens, cudaStream_t stream) {
   TraceState& t = g_trace;
@@ -463,8 +467,6 @@ trace::Sink trace_begin(int grid, int comm_ctas, int64_t sum_tokens, cudaStream_
 }
 void trace_event(int i, cudaStream_t stream) { MOK_CUDA_CHECK(cudaEventRecord(g_trace.ev[i], stream)); }
 #endif
-
-}  // namespace
 
 bool forward_trace_enabled() {
 #ifdef MOK_FORWARD_TRACE
