@@ -12,8 +12,10 @@
 #include "comm/roles.hpp"
 #include "gemm/dgrad_params.cuh"
 #include "gemm/gemm_host.hpp"
+#include "megakernel/backward_rows.cuh"
 #include "megakernel/fused_comm.cuh"
 #include "megakernel/fused_roles.cuh"
+#include "megakernel/persistent_grid.hpp"
 #include "megakernel/task_roles.cuh"
 
 namespace mok::megakernel {
@@ -31,8 +33,7 @@ static_assert(BwdCfg::kThreads == FusedCta::kThreads && BwdCfg::kSmemBytes == Fu
               "the backward's CTAs have the forward's shape");
 
 // d topk_w of each real row, pushed by the communication CTAs at EP >= 2 once its row tile's dh
-// is complete: its column-tile parts summed in tile order (push_dtopk's bits) into the token
-// owner's landing slot (t, k).
+// is complete (push_dtopk_row, as the staged path's push_dtopk).
 struct DtopkPush {
   const comm::ScheduleHeader* header = nullptr;
   const comm::RowEntry* rows = nullptr;
@@ -178,10 +179,7 @@ __device__ inline void push_dtopk_tiles(const FusedBackwardParams& p, int cta, i
     for (int r = threadIdx.x; r < kRowTile; r += blockDim.x) {
       const int64_t row = t * kRowTile + r;
       const comm::RowEntry e = d.rows[row];
-      if (e.src_rank < 0) continue;
-      float acc = 0.0f;
-      for (int n = 0; n < d.col_tiles; ++n) acc += __ldcg(d.parts + row * d.col_tiles + n);
-      reinterpret_cast<float*>(p.combine.peers.base[e.src_rank] + d.dtopk_offset)[int64_t{e.token} * d.topk + e.k] = acc;
+      if (e.src_rank >= 0) push_dtopk_row(e, row, d.parts, d.col_tiles, p.combine.peers, d.dtopk_offset, d.topk);
     }
   }
 }
@@ -252,38 +250,10 @@ __global__ void __launch_bounds__(FusedCta::kThreads, 1)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int kernel_sms() {
-  thread_local int cached_device = -1, cached_sms = 0;
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  if (device != cached_device) {
-    int blocks = 0;
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        FusedCta::kSmemBytes));
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fused_backward_kernel, FusedCta::kThreads,
-                                                                 FusedCta::kSmemBytes));
-    if (blocks < 1) throw Error(Status::kCudaError, "mok fused backward: the kernel does not fit on an SM (occupancy 0)");
-    cached_sms = comm::device_sms();
-    cached_device = device;
-  }
-  return cached_sms;
-}
-
-// Every CTA must be resident at once (CTAs spin on each other): one per SM, grid <= SMs.
 int resolve_grid(const FusedBackwardOptions& o) {
-  const int sms = kernel_sms();
-  const int grid = o.grid > 0 ? o.grid : sms;
-  if (grid > sms) {
-    throw_invalid("Config.grid_sms", "at most the SMs of the device (" + std::to_string(sms) +
-                                         "): the fused backward's CTAs wait on each other and must all be resident",
-                  std::to_string(grid));
-  }
-  if (o.comm_ctas < 1 || o.comm_ctas >= grid) {
-    throw_invalid("Config.comm_sms_backward",
-                  "in [1, " + std::to_string(grid - 1) + "] (the fused backward's grid of " + std::to_string(grid) +
-                      " CTAs must keep at least one GEMM CTA)",
-                  std::to_string(o.comm_ctas));
-  }
+  const PersistentKernel k{reinterpret_cast<const void*>(fused_backward_kernel), FusedCta::kThreads,
+                           FusedCta::kSmemBytes, "fused backward"};
+  const int grid = resolve_persistent_grid(k, o.grid, o.comm_ctas, "Config.comm_sms_backward");
   if (!(o.timeout_s > 0)) throw_invalid("FusedBackwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
   return grid;
 }
@@ -346,10 +316,7 @@ FusedBackwardParams make_params(comm::CommState& state, ForwardBuffers& fwd, Bac
   p.pull_dy = pull;
   p.pull_dy.x_offset = layout.dy;
   p.pull_dy.row_buffer = reinterpret_cast<char*>(bwd.dy_rows.get());
-  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (s.ep == 1 && aligned(args.x) && aligned(args.dy)) {  // backward_prologue's in-place rule
-    p.pull_dy.own_x = reinterpret_cast<const char*>(args.dy);
-  }
+  if (pulls_read_in_place(s, args)) p.pull_dy.own_x = reinterpret_cast<const char*>(args.dy);  // as backward_prologue
   p.combine = state.combine_role(bwd.dx_rows.get(), /*own_rows_in_place=*/true, v);
   p.combine.out_ready = p.g2_done;
   p.combine.out_ready_target = 2u * static_cast<uint32_t>(p.tasks.n2);

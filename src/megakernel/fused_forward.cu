@@ -15,6 +15,7 @@
 #include "megakernel/bench_support.hpp"
 #include "megakernel/fused_comm.cuh"
 #include "megakernel/fused_roles.cuh"
+#include "megakernel/persistent_grid.hpp"
 
 namespace mok::megakernel {
 namespace {
@@ -141,47 +142,9 @@ __global__ void __launch_bounds__(FusedCta::kThreads, 1)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-struct DeviceLimits {
-  int sms = 0;
-  int blocks_per_sm = 0;
-};
-
-// SM count and the fused kernel's occupancy on the current device (cached per thread).
-DeviceLimits device_limits() {
-  thread_local int cached_device = -1;
-  thread_local DeviceLimits cached;
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  if (device != cached_device) {
-    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&cached.sms, cudaDevAttrMultiProcessorCount, device));
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        FusedCta::kSmemBytes));
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached.blocks_per_sm, fused_forward_kernel,
-                                                                 FusedCta::kThreads, FusedCta::kSmemBytes));
-    cached_device = device;
-  }
-  return cached;
-}
-
-// Every CTA must be resident at once (CTAs spin on each other): one per SM, grid <= SMs.
-int resolve_grid(const FusedForwardOptions& o) {
-  const DeviceLimits lim = device_limits();
-  if (lim.blocks_per_sm < 1) {
-    throw Error(Status::kCudaError, "mok fused forward: the kernel does not fit on an SM (occupancy 0)");
-  }
-  const int grid = o.grid > 0 ? o.grid : lim.sms;
-  if (grid > lim.sms) {
-    throw_invalid("Config.grid_sms", "at most the SMs of the device (" + std::to_string(lim.sms) +
-                                         "): the fused kernel's CTAs wait on each other and must all be resident",
-                  std::to_string(grid));
-  }
-  if (o.comm_ctas < 1 || o.comm_ctas >= grid) {
-    throw_invalid("Config.comm_sms_forward",
-                  "in [1, " + std::to_string(grid - 1) + "] (the grid of " + std::to_string(grid) +
-                      " CTAs must keep at least one GEMM CTA)",
-                  std::to_string(o.comm_ctas));
-  }
-  return grid;
+PersistentKernel forward_kernel() {
+  return {reinterpret_cast<const void*>(fused_forward_kernel), FusedCta::kThreads, FusedCta::kSmemBytes,
+          "fused forward"};
 }
 
 // What one pass runs, resolved from the options and the workspace before anything is enqueued
@@ -273,7 +236,7 @@ Plan make_plan(const comm::CommState& state, const ForwardBuffers& b, const Forw
   }
   Plan plan;
   plan.o = o;
-  plan.grid = resolve_grid(o);
+  plan.grid = resolve_persistent_grid(forward_kernel(), o.grid, o.comm_ctas, "Config.comm_sms_forward");
   plan.push = o.epilogue_push == 1;  // automatic: off until measured at EP >= 2 (docs/megakernel.md)
   if (b.ring()) {  // the macrobatch ring (Config::macrobatch below the routed buffer)
     if (o.epilogue_push == 0) {
@@ -442,7 +405,7 @@ trace::Sink trace_begin(int grid, int comm_ctas, int64_t sum_tokens, cudaStream_
   int device = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   if (t.device != device) {
-    const int sms = device_limits().sms;
+    const int sms = persistent_kernel_sms(forward_kernel());
     t.comm_words = static_cast<size_t>(sms) * trace::kCommFields;
     t.gemm_words = static_cast<size_t>(sms) * trace::kMaxTasks * trace::kTaskFields;
     MOK_CUDA_CHECK(cudaMalloc(&t.comm, t.comm_words * 8));

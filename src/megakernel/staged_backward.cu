@@ -7,6 +7,7 @@
 #include "comm/roles.hpp"
 #include "gemm/grouped_gemm.hpp"
 #include "gemm/swiglu_math.cuh"
+#include "megakernel/backward_rows.cuh"
 
 namespace mok::megakernel {
 namespace {
@@ -82,10 +83,7 @@ __global__ void push_dtopk(const comm::ScheduleHeader* header, const comm::RowEn
   const int64_t padded = header->padded_rows;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < padded; p += int64_t(gridDim.x) * blockDim.x) {
     const comm::RowEntry e = rows[p];
-    if (e.src_rank < 0) continue;
-    float acc = 0.0f;
-    for (int n = 0; n < col_tiles; ++n) acc += parts[p * col_tiles + n];
-    reinterpret_cast<float*>(peers.base[e.src_rank] + dtopk_offset)[int64_t{e.token} * topk + e.k] = acc;
+    if (e.src_rank >= 0) push_dtopk_row(e, p, parts, col_tiles, peers, dtopk_offset, topk);
   }
 }
 
@@ -120,6 +118,11 @@ gemm::WgradOut wgrad_out(GradMode mode) {
 }
 
 }  // namespace
+
+bool pulls_read_in_place(const LayerShape& s, const BackwardArgs& args) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return s.ep == 1 && aligned(args.x) && aligned(args.dy);
+}
 
 void check_grads(const LayerShape& s, const WeightGrads& g) {
   if (g.mode != GradMode::kWriteBf16 && g.mode != GradMode::kAccumulateFp32) {
@@ -304,8 +307,7 @@ void stage_and_pull(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const LayerShape& s = state.shape();
   const comm::SymmetricLayout& layout = state.layout();
   const int64_t T = v.tokens, H = s.hidden, K = s.topk, R = bwd.buffer_rows;  // this call's T
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool in_place = s.ep == 1 && aligned(args.x) && aligned(args.dy);
+  const bool in_place = pulls_read_in_place(s, args);
   if (!in_place) {
     state.stage_x(args.x, T, stream);
     MOK_CUDA_CHECK(cudaMemcpyAsync(state.dy_staging(), args.dy, T * H * sizeof(bf16), cudaMemcpyDeviceToDevice,

@@ -80,6 +80,9 @@ SavedContext backward_prologue(comm::CommState& state, ForwardBuffers& fwd, Back
 void backward_finish(comm::CommState& state, BackwardBuffers& bwd, const comm::ScheduleView& v,
                      const BackwardArgs& args, const StagedBackwardOptions& options, bool push_dtopk_rows,
                      bool combine, cudaStream_t stream);
+// Whether the x and dy pulls read the caller's x and dy in place (EP 1, 16-byte aligned: no
+// peer reads the window, the staging copies are skipped) rather than the window's staged copies.
+bool pulls_read_in_place(const LayerShape& shape, const BackwardArgs& args);
 // Checks WeightGrads (mode, pointers, expert strides); throws kInvalidArgument naming the field.
 void check_grads(const LayerShape& shape, const WeightGrads& grads);
 
