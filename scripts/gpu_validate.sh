@@ -63,7 +63,7 @@ run() {
   step test_backward_fused 300 env MOK_BACKWARD_PATH=fused $BIN/test_backward
   step torchrun          40 $TR --no-python --nproc_per_node=$NGPU --master_port 29571 $BIN/test_comm_torchrun
   step memcheck_gemm     60 $SAN --tool memcheck $BIN/test_gemm --gtest_filter='*SanitizerSmall*'
-  step racecheck_gemm    60 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*'
+  step racecheck_gemm    90 $SAN --tool racecheck $BIN/test_gemm --gtest_filter='*SanitizerSmallForward*:*SanitizerSmallDgrad*'
   step memcheck_forward 150 $SAN --tool memcheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
   step racecheck_forward 300 $SAN --tool racecheck $BIN/test_forward --gtest_filter='Ep/FusedVsStaged.*topk8_ep1:Ep/ForwardMacrobatch.*topk8_ep1:Ep/FusedVsStaged.*tails_blocks_ep1'
   step racecheck_comm    40 $SAN --tool racecheck $BIN/test_comm --gtest_filter='Ep1/*Uniform*'

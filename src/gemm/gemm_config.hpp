@@ -37,13 +37,6 @@ inline constexpr int kPipeStages = kEpiBuffers == 2 ? 3 : 4;  // the kinds' Tile
 // 2: +0.5-2 % against 0 in steady state (docs/gemm.md, 2026-11-30, b52dcab).
 inline constexpr int kDeferWg1Shift = 2;
 
-// dh + SwiGLU backward: the producer prefetches the tile's g, u into L2 when it loads K step
-// k_steps - kDhPrefetchAhead (0 = off), about six K steps (the ring depth plus two) before the
-// epilogue reads them: long enough for HBM latency, short enough that the K loop's streaming
-// does not evict the lines.
-// 2: the epilogue's g, u loads hit L2, dh + SwiGLU +2-4 % (docs/gemm.md, 2026-11-30, bfee4e2).
-inline constexpr int kDhPrefetchAhead = 2;
-
 // One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
 // bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
 // each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.

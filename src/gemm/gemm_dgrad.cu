@@ -25,19 +25,14 @@ DgradHiddenParams dgrad_hidden_params(const DgradHiddenArgs& a, const Launch& la
   p.w_down = host::map_bf16(a.w_down, E, H, I, 64, 64, "w_down", a.w_down_stride);
   p.dg = host::map_bf16(a.dg, 0, R, I, 64, 64, "dg");
   p.du = host::map_bf16(a.du, 0, R, I, 64, 64, "du");
-  p.g = a.g;
-  p.u = a.u;
   p.row_w = a.row_w;
   p.dw_part = a.dw_part;
   p.col_tiles = static_cast<int>(dgrad_hidden_col_tiles(I));
-  p.g_pf = host::map_bf16(a.g, 0, R, I, 64, 128, "g");
-  p.u_pf = host::map_bf16(a.u, 0, R, I, 64, 128, "u");
+  p.g = host::map_bf16(a.g, 0, R, I, 64, 128, "g");  // the epilogue stages' boxes
+  p.u = host::map_bf16(a.u, 0, R, I, 64, 128, "u");
   p.sched = host::row_scheduler(a.seg, I, 256, kGroupM);
   p.k_steps = static_cast<int>(H / 64);
   p.inter = static_cast<int>(I);
-  // The L2 prefetch of g, u goes out when the producer loads K step k_steps - kDhPrefetchAhead
-  // (gemm_config.hpp).
-  p.prefetch_at = kDhPrefetchAhead > 0 ? std::max(p.k_steps - kDhPrefetchAhead, 0) : -1;
   if (a.row_w != nullptr && a.dw_part == nullptr) {
     throw_invalid("dw_part", "a device array [buffer_rows, ceil(I/256)] with row_w", "nullptr");
   }

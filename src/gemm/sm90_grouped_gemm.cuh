@@ -81,7 +81,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   // warp-uniform through a shuffle: a threadIdx-derived value near wgmma serialises it.
   [[maybe_unused]] int wg1_shift = 0;
   if constexpr (kDeferred) wg1_shift = __shfl_sync(0xffffffffu, ctx.wg == 1 ? p.defer_wg1_shift : 0, 0);
-  bool ok = true;
+  bool ok = true, epilogue_timeout = false;
   if (marks) {
     MOK_GEMM_CTA_MARK(p.err, 0, smid());
     MOK_GEMM_CTA_MARK(p.err, 1, global_timer_ns());
@@ -134,6 +134,14 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
       Kind::pack(p, tile, ctx, acc, pending.packed);
       pending.where = Kind::pending_of(tile);
       pending.waiting = !tile.phantom;
+    } else if constexpr (has_epilogue_stages<Kind>()) {
+      // The epilogue takes the tile's epilogue stages from the ring (a phantom tile skips them).
+      const EpilogueRing<Cfg> ring{ss, st, p.err, ctx.tid};
+      ok = tile.phantom ? ring.skip(Kind::epilogue_stages(p, tile)) : Kind::epilogue(p, tile, ctx, acc, ring);
+      if (!ok) {
+        epilogue_timeout = true;  // reported after the loop
+        break;
+      }
     } else {
       if (!tile.phantom) Kind::epilogue(p, tile, ctx, acc);
     }
@@ -147,6 +155,8 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
       }(std::make_integer_sequence<int, deferred_pieces<Kind>()>{});
     }
   }
+  // NOTE: a timed-out epilogue stage is reported here, outside the tile loop (report_timeout_no_trap).
+  if (epilogue_timeout) report_timeout_no_trap(p.err);
   if (ctx.tid == 0) tma_store_wait_all_complete();
   if (marks) {
     MOK_GEMM_CTA_MARK(p.err, 3, global_timer_ns());

@@ -301,22 +301,20 @@ struct DgradInputKind : RowKindBase<DgradInputKind<C>, TileConfig<256, kPipeStag
 };
 
 // ---- dgrad of GEMM 2 + SwiGLU backward -----------------------------------------------------
-// dh = dys x W_down[e] (B MN-major: W_down[e] is [H, I], I = N contiguous). The epilogue reads
-// the saved g, u of its pairs straight from global memory and writes dg, du.
+// dh = dys x W_down[e] (B MN-major: W_down[e] is [H, I], I = N contiguous). The epilogue takes
+// the saved g, u of the tile through the stage ring (epilogue stages, sm90_roles.cuh) and
+// writes dg, du.
 struct DgradHiddenParams {
   CUtensorMap dys;     // [rows, H], box 64 x 128
   CUtensorMap w_down;  // [E, H, I], box 64 x 64 x 1
   CUtensorMap dg, du;  // [rows, I], box 64 x 64
-  const bf16* g;       // [rows, I]
-  const bf16* u;
+  CUtensorMap g, u;    // the saved g, u [rows, I], box 64 x 128: one epilogue stage per 64 columns
   const float* row_w;  // [rows] router weight of each row (DgradHiddenRoutedKind)
   float* dw_part;      // [rows, col_tiles] d topk_w parts (DgradHiddenRoutedKind)
   int col_tiles;       // ceil(I / 256)
-  CUtensorMap g_pf, u_pf;  // g, u [rows, I], box 64 x 128: L2 prefetch of a tile's epilogue inputs
   RowScheduler sched;  // n_tiles = ceil(I / 256)
   int k_steps;         // H / 64
   int inter;
-  int prefetch_at;     // producer K step that prefetches the tile's g, u into L2 (-1: off)
   ErrorSink err;
 };
 
@@ -327,6 +325,8 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dys);
     cute::prefetch_tma_descriptor(&p.w_down);
+    cute::prefetch_tma_descriptor(&p.g);
+    cute::prefetch_tma_descriptor(&p.u);
   }
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, uint64_t* bar,
                                     int rank) {
@@ -334,56 +334,60 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
     load_b_boxes<C, 4>(t.shared_b, rank, [&](int box, uint16_t mask) {
       tma_load_3d(&p.w_down, bar, b + box * 8192, 256 * t.n_tile + 64 * box, 64 * k, t.expert, mask);
     });
-    if (k == p.prefetch_at) prefetch_epilogue(p, t);
-  }
-  // The epilogue reads the tile's saved g and u (written by the forward long before, so in
-  // HBM) with dependent rounds of register loads. A few K steps before the K loop ends the
-  // producer asks TMA to bring both 128 x 256 blocks into L2, so those rounds hit L2.
-  __device__ static void prefetch_epilogue(const Params& p, const RowTile& t) {
-    if (t.real_rows == 0) return;
-#pragma unroll
-    for (int box = 0; box < 4; ++box) {
-      const int col = 256 * t.n_tile + 64 * box;
-      if (col < p.inter) {
-        cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&p.g_pf, col, t.row0);
-        cute::SM90_TMA_LOAD_2D::PREFETCH::copy(&p.u_pf, col, t.row0);
-      }
-    }
   }
 
-  // Columns [128*Half, 128*Half + 128) of the tile: acc(i) <- dg pair, acc(i+1) <- du pair.
-  // g, u are loaded in chunks of 8 pairs (16 loads in flight per thread; 4 pairs left the
-  // epilogue waiting on 16 dependent rounds of memory latency, docs/gemm.md trace).
-  // w[v1]: the router weight of the thread's row v1 (1 without row_w); part[v1] += dhr * h over
-  // the thread's columns when `parts` (the d topk_w part of the row).
-  template <int Half, bool kScaled, class Acc>
-  __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
-                                              const float (&w)[2], float (&part)[2]) {
-    // Pairs per chunk: 4 column blocks x 2 rows. The routed epilogue's weights, parts and h
-    // take the registers of half a chunk (8 pairs there spilled ~330 bytes beside the 128
-    // accumulator registers).
-    constexpr int kChunk = kScaled ? 4 : 8;
-    const unsigned int* g_row[2];
-    const unsigned int* u_row[2];
-    row_pointers<Half>(p, t, ctx, g_row, u_row);
+  // Epilogue stages: quarter q (columns 256 n + 64 q) of the tile's g in the A slot and of its
+  // u in the B slot, 128 rows x 64 columns each (SW128), four per tile, also for a tile without
+  // real rows or a quarter outside I (TMA fills zeros there): the epilogue then has no branch
+  // on them (a data-dependent branch around the stage waits and reads spilled ~700 bytes beside
+  // the accumulators, as did the error atomic of a timed-out wait: EpilogueRing). Before (2026-12-04) the epilogue read g, u with rounds of dependent
+  // global loads after the K loop, ~22-24 us per tile with the tensor cores idle (trace,
+  // docs/gemm.md).
+  static constexpr bool kEpilogueStages = true;
+  static constexpr int kEpilogueStageBytes = 2 * 128 * 64 * 2;
+  static_assert(128 * 64 * 2 <= Cfg::kABytes && 128 * 64 * 2 <= Cfg::kBBytes,
+                "a quarter of g fits the A slot and one of u the B slot");
+  __device__ static int epilogue_stages(const Params&, const RowTile&) { return 4; }
+  __device__ static void load_epilogue_stage(const Params& p, const RowTile& t, int q, uint8_t* a, uint8_t* b,
+                                             uint64_t* bar) {
+    tma_load_2d(&p.g, bar, a, 256 * t.n_tile + 64 * q, t.row0);
+    tma_load_2d(&p.u, bar, b, 256 * t.n_tile + 64 * q, t.row0);
+  }
+
+  // Columns [64 Q, 64 Q + 64) of the tile from epilogue stage Q: acc(i) <- dg pair, acc(i+1)
+  // <- du pair (padding rows zero). A quarter outside I reads g = u = 0 and its accumulators
+  // are zeros (W_down's columns there are zero-filled). w[v1]: the router weight of the
+  // thread's row v1 (1 without row_w); part[v1] += dhr * h over the thread's columns when
+  // kScaled (the d topk_w part of the row), in column order. `ok` false after a timed-out stage
+  // wait (recorded; the epilogue still runs to its end).
+  template <int Q, bool kScaled, class Acc, class Ring>
+  __device__ static void swiglu_backward_quarter(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                                 const float (&w)[2], float (&part)[2], const Ring& ring, bool& ok) {
+    ok = ring.acquire() && ok;
+    // Element (r, c) of a 128 x 64 SW128 box: byte 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8);
+    // for this thread r % 8 = lane / 4 and c = 8 jq + 2 (lane % 4).
+    const int lane = ctx.lane();
+    const uint32_t g_box = ring.a_saddr() + 4u * (lane % 4), u_box = ring.b_saddr() + 4u * (lane % 4);
 #pragma unroll
-    for (int q0 = 0; q0 < 32; q0 += kChunk) {
-      asm volatile("" ::: "memory");  // keep the chunk's loads from being hoisted above the previous chunk
-      uint32_t g2[kChunk], u2[kChunk];
-      load_chunk<Half>(p, t, q0, g_row, u_row, g2, u2);
+    for (int jq = 0; jq < 8; ++jq) {
+      const uint32_t chunk = static_cast<uint32_t>(jq ^ (lane / 4)) << 4;
 #pragma unroll
-      for (int q = 0; q < kChunk; ++q) {
-        const int i = 4 * (16 * Half + (q0 + q) / 2) + 2 * (q % 2);
-        const bool real = ctx.row_in_tile(q % 2) < t.real_rows;
-        const float2 g = unpack_bf16x2(g2[q]), u = unpack_bf16x2(u2[q]);
+      for (int v1 = 0; v1 < 2; ++v1) {
+        const int i = 4 * (8 * Q + jq) + 2 * v1;
+        const uint32_t off = 128u * ctx.row_in_tile(v1) + chunk;
+        const bool real = ctx.row_in_tile(v1) < t.real_rows;
+        uint32_t g2, u2;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(g2) : "r"(g_box + off));
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(u2) : "r"(u_box + off));
+        const float2 g = unpack_bf16x2(g2), u = unpack_bf16x2(u2);
         float dg0, du0, dg1, du1;
         if constexpr (kScaled) {
           // d topk_w part dhr . h (h rebuilt as the forward rounds it), then dh = w * dhr.
           float h0, h1;
-          swiglu_bwd_routed(acc(i), w[q % 2], g.x, u.x, dg0, du0, h0);
-          swiglu_bwd_routed(acc(i + 1), w[q % 2], g.y, u.y, dg1, du1, h1);
-          part[q % 2] += acc(i) * h0;
-          part[q % 2] += acc(i + 1) * h1;
+          swiglu_bwd_routed(acc(i), w[v1], g.x, u.x, dg0, du0, h0);
+          swiglu_bwd_routed(acc(i + 1), w[v1], g.y, u.y, dg1, du1, h1);
+          part[v1] += acc(i) * h0;
+          part[v1] += acc(i + 1) * h1;
         } else {
           swiglu_bwd(acc(i), g.x, u.x, dg0, du0);
           swiglu_bwd(acc(i + 1), g.y, u.y, dg1, du1);
@@ -392,45 +396,30 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
         acc(i + 1) = __uint_as_float(real ? pack_bf16x2(du0, du1) : 0u);
       }
     }
+    ring.release();
+  }
+  // Columns [128 Half, 128 Half + 128): quarters 2 Half, 2 Half + 1, then the half's dg and du
+  // store rounds.
+  template <int Half, bool kScaled, class Acc, class Ring>
+  __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                              const float (&w)[2], float (&part)[2], const Ring& ring, bool& ok) {
+    swiglu_backward_quarter<2 * Half, kScaled>(p, t, ctx, acc, w, part, ring, ok);
+    swiglu_backward_quarter<2 * Half + 1, kScaled>(p, t, ctx, acc, w, part, ring, ok);
     const int col0 = 256 * t.n_tile + 128 * Half;
     store_packed<16 * Half, 0, 2 * Half>(ctx, acc, &p.dg, col0, p.inter, t.row0);
     store_packed<16 * Half, 1, 2 * Half + 1>(ctx, acc, &p.du, col0, p.inter, t.row0);
   }
 
-  // One base address per row of this thread; a column block is then a constant offset
-  // (16 bytes per block), so the loads carry immediate offsets instead of address registers.
-  template <int Half>
-  __device__ static void row_pointers(const Params& p, const RowTile& t, const EpiCtx& ctx, const unsigned int* (&g_row)[2],
-                                      const unsigned int* (&u_row)[2]) {
-    const int col_base = 256 * t.n_tile + ctx.col(16 * Half);
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      const int64_t off = (t.row0 + ctx.row_in_tile(v1)) * int64_t{p.inter} + col_base;
-      g_row[v1] = reinterpret_cast<const unsigned int*>(p.g + off);
-      u_row[v1] = reinterpret_cast<const unsigned int*>(p.u + off);
-    }
-  }
-  template <int Half, int kChunk>
-  __device__ static void load_chunk(const Params& p, const RowTile& t, int q0, const unsigned int* (&g_row)[2],
-                                    const unsigned int* (&u_row)[2], uint32_t (&g2)[kChunk],
-                                    uint32_t (&u2)[kChunk]) {
-#pragma unroll
-    for (int q = 0; q < kChunk; ++q) {
-      const int jj = (q0 + q) / 2, v1 = q % 2;  // column block within the half
-      const bool in = 256 * t.n_tile + 128 * Half + 8 * jj < p.inter;  // whole 8-column blocks (I % 64 == 0)
-      g2[q] = in ? __ldg(g_row[v1] + 4 * jj) : 0u;
-      u2[q] = in ? __ldg(u_row[v1] + 4 * jj) : 0u;
-    }
-  }
-
   // Two epilogues (compile-time, so each keeps only the registers it needs): this one, and
   // the routed one of DgradHiddenRoutedKind below (scaled dh and the d topk_w parts).
-  template <class Acc>
-  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    epilogue_as<false>(p, t, ctx, acc);
+  // False on a timed-out stage wait (recorded in the error sink).
+  template <class Acc, class Ring>
+  __device__ static bool epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc, const Ring& ring) {
+    return epilogue_as<false>(p, t, ctx, acc, ring);
   }
-  template <bool kScaled, class Acc>
-  __device__ static void epilogue_as(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+  template <bool kScaled, class Acc, class Ring>
+  __device__ static bool epilogue_as(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                     const Ring& ring) {
     float w[2] = {1.0f, 1.0f}, part[2] = {0.0f, 0.0f};
     if constexpr (kScaled) {
 #pragma unroll
@@ -439,8 +428,9 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
         w[v1] = r < t.real_rows ? __ldg(p.row_w + t.row0 + r) : 0.0f;
       }
     }
-    swiglu_backward_half<0, kScaled>(p, t, ctx, acc, w, part);
-    swiglu_backward_half<1, kScaled>(p, t, ctx, acc, w, part);
+    bool ok = true;
+    swiglu_backward_half<0, kScaled>(p, t, ctx, acc, w, part, ring, ok);
+    swiglu_backward_half<1, kScaled>(p, t, ctx, acc, w, part, ring, ok);
     if constexpr (kScaled) {
       // The row's part over the tile: the thread's columns in fragment order, then the quad
       // (the 4 threads of a row) in a fixed butterfly: every lane ends with the same bits.
@@ -454,6 +444,7 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
         }
       }
     }
+    return ok;
   }
 };
 
@@ -464,9 +455,10 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
 template <int C>
 struct DgradHiddenRoutedKind : DgradHiddenKind<C> {
   using Base = DgradHiddenKind<C>;
-  template <class Acc>
-  __device__ static void epilogue(const typename Base::Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    Base::template epilogue_as<true>(p, t, ctx, acc);
+  template <class Acc, class Ring>
+  __device__ static bool epilogue(const typename Base::Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                  const Ring& ring) {
+    return Base::template epilogue_as<true>(p, t, ctx, acc, ring);
   }
 };
 

@@ -74,20 +74,31 @@ __device__ inline uint64_t global_timer_ns() {
   return t;
 }
 
+// A timed-out epilogue stage wait (EpilogueRing), reported by the consumer after its tile loop.
+// NOTE: no __trap here: the trap of report_error anywhere in the consumer spilled ~700 bytes of
+// the dh kind's accumulators (2026-12-04). Without an error flag this wait alone does not trap;
+// a stage that never arrives also stops the producer, whose own wait then traps.
+__device__ inline void report_timeout_no_trap(const ErrorSink& sink) {
+  if (sink.flag != nullptr) atomicOr(sink.flag, kErrorPipelineTimeout);
+}
+
 // Waits until the mbarrier phase with parity `phase` completed. Returns false (and records
 // kErrorPipelineTimeout) after sink.timeout_ns; the caller then abandons its role so the
-// kernel ends instead of hanging.
-__device__ inline bool wait_barrier(const uint64_t* bar, uint32_t phase, const ErrorSink& sink) {
+// kernel ends instead of hanging. The quiet wait records nothing: its caller reports the
+// timeout (report_timeout_no_trap).
+__device__ inline bool wait_barrier_quiet(const uint64_t* bar, uint32_t phase, uint64_t timeout_ns) {
   using Barrier = cutlass::arch::ClusterBarrier;
   if (Barrier::try_wait(bar, phase)) return true;
   const uint64_t start = global_timer_ns();
   while (!Barrier::try_wait(bar, phase)) {
-    if (global_timer_ns() - start > sink.timeout_ns) {
-      report_error(sink, kErrorPipelineTimeout, "pipeline mbarrier wait timed out");
-      return false;
-    }
+    if (global_timer_ns() - start > timeout_ns) return false;
   }
   return true;
+}
+__device__ inline bool wait_barrier(const uint64_t* bar, uint32_t phase, const ErrorSink& sink) {
+  if (wait_barrier_quiet(bar, phase, sink.timeout_ns)) return true;
+  report_error(sink, kErrorPipelineTimeout, "pipeline mbarrier wait timed out");
+  return false;
 }
 
 // Position in the stage ring: stage index and the parity of the current round.

@@ -90,6 +90,71 @@ __device__ inline auto make_consumer_mma() {
   return cute::make_tiled_mma(op, cute::Layout<cute::Shape<cute::Int<Cfg::kConsumerWGs>, _1, _1>>{});
 }
 
+// ---- Epilogue stages ---------------------------------------------------------------------
+// A kind whose epilogue reads tile-sized inputs from global memory (the dh kind: the saved g,
+// u) may send them through the stage ring instead (Kind::kEpilogueStages): after a tile's K
+// stages the producer fills Kind::epilogue_stages(p, tile) more stages of
+// Kind::kEpilogueStageBytes with Kind::load_epilogue_stage, and the epilogue takes them in
+// order from an EpilogueRing. Their TMA loads then run up to a ring depth ahead, under the
+// tile's last K steps, as any K stage does, and the epilogue reads shared memory instead of
+// waiting on rounds of dependent global loads (docs/gemm.md, dh epilogue).
+template <class Kind>
+constexpr bool has_epilogue_stages() {
+  if constexpr (requires { Kind::kEpilogueStages; }) {
+    return Kind::kEpilogueStages;
+  } else {
+    return false;
+  }
+}
+
+// The producer's side: the tile's epilogue stages, after its K stages. False on a timeout.
+template <class Kind, class Cfg, class Tile>
+__device__ inline bool load_epilogue_stages(const typename Kind::Params& p, const Tile& tile,
+                                            SharedStorage<Cfg>& ss, PipeState<Cfg::kStages>& st) {
+  if constexpr (has_epilogue_stages<Kind>()) {
+    const int n = Kind::epilogue_stages(p, tile);
+    for (int q = 0; q < n; ++q) {
+      if (!wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return false;
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
+                                                                     Kind::kEpilogueStageBytes);
+      Kind::load_epilogue_stage(p, tile, q, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index]);
+      st.advance();
+    }
+  }
+  return true;
+}
+
+template <class Cfg>
+__device__ inline void release_stage(SharedStorage<Cfg>& ss, int s, int tid_in_wg);
+
+// The consumers' side: the next stage of the ring, waited for, read, then released (every
+// thread of both warpgroups, as a K stage; the release orders this thread's reads before the
+// producer's next TMA write into the stage). A timed-out acquire records nothing: the epilogue
+// returns false and the consumer reports it after its tile loop (wait_barrier_quiet).
+template <class Cfg>
+struct EpilogueRing {
+  SharedStorage<Cfg>& ss;
+  PipeState<Cfg::kStages>& st;
+  const ErrorSink& err;
+  int tid_in_wg;
+  __device__ bool acquire() const { return wait_barrier_quiet(&ss.bars.full[st.index], st.phase, err.timeout_ns); }
+  // Shared-window addresses of the stage's A and B slots.
+  __device__ uint32_t a_saddr() const { return static_cast<uint32_t>(__cvta_generic_to_shared(ss.a[st.index])); }
+  __device__ uint32_t b_saddr() const { return static_cast<uint32_t>(__cvta_generic_to_shared(ss.b[st.index])); }
+  __device__ void release() const {
+    release_stage(ss, st.index, tid_in_wg);
+    st.advance();
+  }
+  // A tile whose epilogue does not run (a phantom tile of a cluster) still takes its stages.
+  __device__ bool skip(int n) const {
+    for (int q = 0; q < n; ++q) {
+      if (!acquire()) return false;
+      release();
+    }
+    return true;
+  }
+};
+
 // ---- Producer ----------------------------------------------------------------------------
 
 // One thread issues every TMA load of the CTA. Returns early only on a timeout.
@@ -117,6 +182,7 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       if (k == 0) MOK_GEMM_MARK(p.err, local, 9, clock64());
       st.advance();
     }
+    if (!load_epilogue_stages<Kind>(p, tile, ss, st)) return;
     MOK_GEMM_MARK(p.err, local, 6, clock64());
   }
 }

@@ -126,15 +126,18 @@ __device__ __forceinline__ NoEpiloguePrep prepare_epilogue(const FusedBackwardPa
   return {};
 }
 
-template <class Acc>
-__device__ __forceinline__ void epilogue_task(const FusedBackwardParams& p, const TaskList&, const TaskSlot& slot,
-                                              const gemm::EpiCtx& ctx, Acc& acc, NoEpiloguePrep) {
+// The dh kinds take the tile's saved g, u from the ring (their epilogue stages, produced by
+// produce_tile after the K stages).
+template <class Acc, class Ring>
+__device__ __forceinline__ bool epilogue_task(const FusedBackwardParams& p, const TaskList&, const TaskSlot& slot,
+                                              const gemm::EpiCtx& ctx, Acc& acc, NoEpiloguePrep, const Ring& ring) {
+  bool ok = true;
   switch (slot.task.kind) {
     case TaskKind::kSharedGemm1:
-      DhKind::epilogue(p.shared_dh, slot.tile, ctx, acc);
+      ok = DhKind::epilogue(p.shared_dh, slot.tile, ctx, acc, ring);
       break;
     case TaskKind::kGemm1:
-      DhRoutedKind::epilogue(p.routed_dh, slot.tile, ctx, acc);
+      ok = DhRoutedKind::epilogue(p.routed_dh, slot.tile, ctx, acc, ring);
       // NOTE: every thread's d topk_w parts (generic stores) before thread 0 publishes the tile
       // (the comm CTAs read them after acquiring g1_done).
       gemm::named_barrier_sync(ctx.barrier_id(), gemm::kWarpGroupThreads);
@@ -143,6 +146,7 @@ __device__ __forceinline__ void epilogue_task(const FusedBackwardParams& p, cons
       DxKind::epilogue(dx_params(p, slot.task.kind), slot.tile, ctx, acc);
       break;
   }
+  return ok;
 }
 
 // Bulk-store groups each epilogue commits (one per store_round): dh stores dg and du of two

@@ -197,9 +197,11 @@ __device__ __forceinline__ ForwardEpiloguePrep prepare_epilogue(const FusedForwa
   return e;
 }
 
-template <class Acc>
-__device__ __forceinline__ void epilogue_task(const FusedForwardParams& p, const TaskList& list, const TaskSlot& slot,
-                                              const gemm::EpiCtx& ctx, Acc& acc, const ForwardEpiloguePrep& e) {
+// The forward's kinds have no epilogue stages (the ring is unused); never fails.
+template <class Acc, class Ring>
+__device__ __forceinline__ bool epilogue_task(const FusedForwardParams& p, const TaskList& list, const TaskSlot& slot,
+                                              const gemm::EpiCtx& ctx, Acc& acc, const ForwardEpiloguePrep& e,
+                                              const Ring&) {
   const Task& t = slot.task;
   if (is_gemm1(t.kind)) {
     // With the macrobatch ring only the last ring_tiles row tiles keep their saved g, u (the
@@ -212,6 +214,7 @@ __device__ __forceinline__ void epilogue_task(const FusedForwardParams& p, const
   } else {
     G2Kind::epilogue(gemm2_params(p, t.kind), slot.tile, ctx, acc);
   }
+  return true;
 }
 
 // Bulk-store groups each epilogue commits (one per store_round): GEMM1+SwiGLU stores g, u, h;

@@ -20,7 +20,10 @@
 //   produce_task(p, slot, ss, st)                 producer: the task's TMA loads (produce_tile<Kind>)
 //   seed_task(p, slot, ctx, acc)                  consumers: the accumulators' start
 //   prepare_epilogue(p, slot, ctx)                consumers, before the K loop: what the epilogue needs
-//   epilogue_task(p, list, slot, ctx, acc, prep)  consumers: the kind's epilogue
+//   epilogue_task(p, list, slot, ctx, acc, prep, ring)
+//                                                 consumers: the kind's epilogue (ring: the stage
+//                                                 ring, for kinds with epilogue stages); false
+//                                                 on a timed-out wait
 //   done_counter(p, task)                         the tile's completion counter (or nullptr)
 //   wait_stores_but_last(p, kind)                 thread 0: every bulk-store group but the last
 //                                                 epilogue's (that of a task of `kind`) landed
@@ -101,9 +104,9 @@ __device__ __forceinline__ TaskSlot read_task_slot(const TaskSlot& in) {
 
 // ---- producer -------------------------------------------------------------------------------
 
-// All K stages of one tile into the ring (the loop body of gemm::tma_producer).
-// The slot goes with the first stage (see TaskSlot); a task without K steps sends one stage
-// without loads.
+// All K stages of one tile into the ring (the loop body of gemm::tma_producer), then the
+// kind's epilogue stages (gemm::load_epilogue_stages). The slot goes with the first stage (see
+// TaskSlot); a task without K steps sends one stage without loads.
 template <class Kind>
 __device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSlot& slot,
                                     gemm::SharedStorage<typename Kind::Cfg>& ss,
@@ -120,7 +123,7 @@ __device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSl
     }
     st.advance();
   }
-  return true;
+  return gemm::load_epilogue_stages<Kind>(p, slot.tile, ss, st);  // (the dh kinds' g, u)
 }
 
 // After the last task: one stage without loads whose slot tells the consumers to stop. Every
@@ -259,6 +262,7 @@ __device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::Sha
       has_fresh = false;
     }
   };
+  bool epilogue_timeout = false;
   const TaskSlot* slots = task_slots(ss);
   // NOTE: bounded by the list (a CTA takes at most all of it; the end slot ends the loop): with
   // no bound (for (;;)) ptxas serialised every wgmma of the kernel (C7518).
@@ -298,7 +302,11 @@ __device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::Sha
       break;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
-    epilogue_task(p, list, slot, ctx, acc, prep);
+    // (the kinds with epilogue stages take them from the ring)
+    if (!epilogue_task(p, list, slot, ctx, acc, prep, gemm::EpilogueRing<Cfg>{ss, st, pass_err(p), ctx.tid})) {
+      epilogue_timeout = true;  // reported after the loop (gemm::EpilogueRing)
+      break;
+    }
     if (ctx.tid == 0) {
       // (`pending` was published in this task's K loop, or at once when it had to block.)
       fresh = done_counter(p, t);
@@ -307,6 +315,7 @@ __device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::Sha
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }
+  if (epilogue_timeout) gemm::report_timeout_no_trap(pass_err(p));
   if (ctx.tid == 0) publish_all();
 }
 
