@@ -24,7 +24,12 @@
 //
 //   bench_backward [--shapes dsv3,qwen3,gptoss] [--iters 10] [--warmup 3] [--warm-ms 300]
 //                  [--tokens N] [--ep N] [--grad-mode fp32|bf16] [--fused-comm N] [--trace PREFIX]
-//                  [--out bench/results/2026-12-03-backward.json]
+//                  [--concurrent-probe G1,G2,..] [--out bench/results/2026-12-03-backward.json]
+// --concurrent-probe: would the dgrad GEMMs (dh, dx) and the weight-gradient GEMMs gain from
+// running at the same time on disjoint SMs (what fusing the weight gradients into the kernel
+// would do)? Per G: the dgrad kinds on G SMs beside the weight-gradient kinds (--grad-mode) on
+// the other SMs, two streams, against each on the whole grid one after the other (printed only;
+// docs/experiments.md has the answers).
 // --grad-mode (default fp32): weight gradients added into fp32 main grads, or written bf16. At EP 1
 // every expert's gradient is on one GPU (dsv3: 11.3 G parameters): fp32 adds read and write
 // 90 GB per pass there, a floor of ~19 ms at the H200's ~4.8 TB/s.
@@ -67,6 +72,7 @@ struct Options {
   int ep = 0;
   GradMode mode = GradMode::kAccumulateFp32;  // --grad-mode fp32 (add into fp32 main grads) | bf16 (write)
   int fused_comm = 0;  // --fused-comm N: the fused backward kernel's comm CTAs (0: as mok::backward picks them)
+  std::vector<int> probe;  // --concurrent-probe G1,G2,..: dgrad kinds on G SMs beside the wgrad kinds on the rest
   std::string trace;   // --trace PREFIX: one more fused backward, its trace to PREFIX-<shape>-r<rank>.bin
   std::string out = "bench_backward.json";
 };
@@ -82,6 +88,9 @@ Options parse(int argc, char** argv) {
     else if (k == "--tokens") o.tokens = std::stoll(v);
     else if (k == "--fused-comm") o.fused_comm = std::stoi(v);
     else if (k == "--trace") o.trace = v;
+    else if (k == "--concurrent-probe") {
+      for (const auto& g : split(v)) o.probe.push_back(std::stoi(g));
+    }
     else if (k == "--ep") o.ep = std::stoi(v);
     else if (k == "--out") o.out = v;
     else if (k == "--grad-mode") {
@@ -212,6 +221,45 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
                                false, st);
   });
   ws->check();
+  if (!o.probe.empty()) {
+    using namespace megakernel;
+    const unsigned dgrad = kRoutedDh | kRoutedDx | (s.has_shared() ? kSharedDh | kSharedDx : 0u);
+    const unsigned wgrad = kRoutedWgrad | (s.has_shared() ? kSharedWgrad : 0u);
+    cudaStream_t st2;
+    cudaEvent_t e0, e1;
+    MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&st2, cudaStreamNonBlocking));
+    MOK_CUDA_CHECK(cudaEventCreateWithFlags(&e0, cudaEventDisableTiming));
+    MOK_CUDA_CHECK(cudaEventCreateWithFlags(&e1, cudaEventDisableTiming));
+    auto run = [&](unsigned mask, int grid, cudaStream_t q) {
+      StagedBackwardOptions g;
+      g.gemm_grid = grid;
+      backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads, g, false, q, mask);
+    };
+    const int sms = comm::device_sms();
+    const double dg = time_ms(o, sync, st, [&] { run(dgrad, 0, st); });
+    const double wg = time_ms(o, sync, st, [&] { run(wgrad, 0, st); });
+    std::printf("%-7s probe (%s grads): dgrad alone %.3f ms, wgrad alone %.3f ms, sum %.3f\n", name.c_str(),
+                o.mode == GradMode::kWriteBf16 ? "bf16" : "fp32", dg, wg, dg + wg);
+    for (int G : o.probe) {
+      const double a = time_ms(o, sync, st, [&] { run(dgrad, G, st); });
+      const double b = time_ms(o, sync, st, [&] { run(wgrad, sms - G, st); });
+      const double both = time_ms(o, sync, st, [&] {
+        MOK_CUDA_CHECK(cudaEventRecord(e0, st));
+        MOK_CUDA_CHECK(cudaStreamWaitEvent(st2, e0));
+        run(dgrad, G, st);
+        run(wgrad, sms - G, st2);
+        MOK_CUDA_CHECK(cudaEventRecord(e1, st2));
+        MOK_CUDA_CHECK(cudaStreamWaitEvent(st, e1));
+      });
+      std::printf("%-7s probe: dgrad on %d SMs %.3f ms, wgrad on %d SMs %.3f ms, both at once %.3f ms (%.3fx the sum of "
+                  "the full-grid times)\n",
+                  name.c_str(), G, a, sms - G, b, both, both / (dg + wg));
+    }
+    ws->check();
+    MOK_CUDA_CHECK(cudaEventDestroy(e0));
+    MOK_CUDA_CHECK(cudaEventDestroy(e1));
+    MOK_CUDA_CHECK(cudaStreamDestroy(st2));
+  }
   const WeightGrads grads_bf16{GradMode::kWriteBf16, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
   for (int p = 0; p < kNumParts; ++p) {
     if ((kParts[p].mask & (megakernel::kSharedDh | megakernel::kSharedDx | megakernel::kSharedWgrad)) && !s.has_shared()) {
@@ -271,6 +319,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   const int ep = o.ep > 0 ? std::min(o.ep, gpus) : gpus;
+  for (int G : o.probe) {
+    if (G < 1 || G >= comm::device_sms()) {
+      std::fprintf(stderr, "bench_backward: --concurrent-probe: expected SM counts in [1, %d), got %d\n",
+                   comm::device_sms(), G);
+      return 2;
+    }
+  }
   std::vector<LayerShape> shapes;
   std::vector<std::vector<std::vector<int32_t>>> routings;
   for (const auto& name : o.shapes) {
