@@ -62,7 +62,7 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
     if (a.mode == WgradOut::kWriteBf16) {
       kp.out = host::map_bf16(pr.out, E, pr.m, pr.n, 64, 64, "wgrad out", pr.out_stride);
     } else if (a.mode == WgradOut::kAccumulateFp32) {
-      kp.out = host::map_f32(pr.out, E, pr.m, pr.n, 32, 64, "wgrad main grad", pr.out_stride);  // TMA reduce-add boxes
+      kp.out = host::map_f32(pr.out, E, pr.m, pr.n, 32, 64, "wgrad main grad", pr.out_stride);  // TMA load / store boxes
     } else {
       kp.out = kp.b;  // unused: kPartialFp32 stores through out_ptr
     }
