@@ -159,10 +159,11 @@ struct WgradKind {
   // 32 x 64 fp32 boxes in the 128-byte swizzle), so those loads run ahead under the K loop like any
   // K stage. The epilogue adds each quarter of the accumulator to it in registers, stages the sums
   // in the same layout, and stores them with plain TMA stores: one read and one write of the main
-  // grad. It replaced a TMA bulk reduce-add (L2 doing the read-modify-write), which ncu showed
-  // reading ~1.8x the main grad from DRAM (gptoss: 23.5 GB read, 12.7 GB written for 12.74 GB of
-  // main grads; docs/gemm.md). One fp32 add (round to nearest) per element either way, and no other
-  // tile of the launch touches the element, so the bits do not depend on timing.
+  // grad. It replaced a TMA bulk reduce-add (L2 doing the read-modify-write): -22-28 % at
+  // DeepSeek-V3 and gpt-oss sizes, plain TMA loads and stores keeping DRAM at ~80 % of its peak
+  // where the L2 reductions reached ~65 % (ncu, docs/gemm.md). One fp32 add (round to nearest)
+  // per element, and no other tile of the launch touches the element, so the bits do not depend
+  // on timing.
   static constexpr bool kEpilogueStages = Mode == kWgradAccumulateFp32;
   static constexpr int kEpilogueStageBytes = 128 * 64 * 4;
   static_assert(64 * 64 * 4 <= Cfg::kABytes && 64 * 64 * 4 <= Cfg::kBBytes,
