@@ -1,8 +1,10 @@
 // bench_backward: mok's backward pass per rank on every local GPU (EP = the GPUs used, one
 // thread per GPU) for the DESIGN §8 shapes, side by side in one run:
 //   bwd_ms               the backward mok::backward runs (bwd_path: MOK_BACKWARD_PATH, default staged)
-//   bwd_fused_ms         the fused backward (its dgrad chain and the dy / dx / d topk_w traffic as one
-//                        persistent kernel, fused_backward.hpp)
+//   bwd_fused_ms         the fused backward (its dgrad chain, the dy / dx / d topk_w traffic and the
+//                        weight gradients as one persistent kernel, fused_backward.hpp)
+//   bwd_fused_wgrad_after_ms  the same with the weight gradients as launches after the kernel
+//                        (FusedBackwardOptions::wgrad_in_kernel false, MOK_FUSED_WGRAD=after)
 //   bwd_staged_ms        the staged backward (the fused backward's oracle: the steps as separate
 //                        launches); f==s: the fused dx equals the staged one bit for bit
 //   bwd_gemms_alone_ms   only the backward's grouped GEMMs (shared + routed dh + SwiGLU backward,
@@ -148,12 +150,14 @@ constexpr int kNumParts = sizeof(kParts) / sizeof(kParts[0]);
 
 struct RankResult {
   double part_ms[kNumParts] = {};
+  double fused_after_ms = 0;
   double fused_ms = 0, staged_ms = 0, gemms_ms = 0, unfused_ms = 0, step_ms = 0, cublas_ms = 0, cublas_flops = 0;
   int64_t unfused_vs_staged = -1, fused_vs_staged = -1;
   uint64_t dx_hash = 0;
   size_t context_bytes = 0, workspace_bytes = 0;
   int fused_comm = 0;
   bool fused_default = false;  // mok::backward runs the fused backward
+  bool wgrad_in_kernel = true;  // ... with its weight gradients in the kernel (else fused_after_ms)
 };
 
 RankResult run_shape(const Options& o, const std::string& name, const LayerShape& s,
@@ -203,6 +207,8 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   fo.comm_ctas = o.fused_comm > 0 ? o.fused_comm : cfg.effective_comm_sms_fused_backward(s, comm::device_sms());
   fo.timeout_s = cfg.wait_timeout_s;
   fo.prologue_ctas = so.comm_ctas;
+  fo.wgrad_in_kernel = impl.fused_wgrad_in_kernel;
+  res.wgrad_in_kernel = fo.wgrad_in_kernel;
   res.fused_comm = fo.comm_ctas;
   res.fused_default = impl.backward_path == megakernel::BackwardPath::kFused;
   res.fused_ms = time_ms(o, sync, st, [&] {
@@ -210,6 +216,21 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   });
   ws->check();
   res.fused_vs_staged = megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
+  {
+    megakernel::FusedBackwardOptions after = fo;
+    after.wgrad_in_kernel = !fo.wgrad_in_kernel;  // the other placement of the weight gradients
+    const double ms = time_ms(o, sync, st, [&] {
+      megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, after, st);
+    });
+    ws->check();
+    if (megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st) != 0) res.fused_vs_staged = 1;
+    if (fo.wgrad_in_kernel) {
+      res.fused_after_ms = ms;
+    } else {
+      res.fused_after_ms = res.fused_ms;
+      res.fused_ms = ms;
+    }
+  }
   if (!o.trace.empty()) {  // (a -DMOK_FORWARD_TRACE build: main refuses --trace otherwise)
     sync.arrive_and_wait();
     megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
@@ -343,8 +364,8 @@ int main(int argc, char** argv) {
   std::printf("bench_backward: EP=%d (%d GPU(s) visible), per rank, slowest rank's median of %d; bwd = %s; "
               "weight gradients %s\n",
               ep, gpus, o.iters, res.empty() || !res[0][0].fused_default ? "staged" : "fused", o.mode == GradMode::kWriteBf16 ? "written bf16" : "added into fp32");
-  std::printf("%-7s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s\n", "shape", "bwd_ms", "TFLOP/s", "of_cublas",
-              "gemms", "bwd/gemm", "fused", "staged", "unfused", "unf/bwd", "step_ms", "f==s", "u==s");
+  std::printf("%-7s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %6s %6s\n", "shape", "bwd_ms", "TFLOP/s", "of_cublas",
+              "gemms", "bwd/gemm", "fused", "fus_aft", "staged", "unfused", "unf/bwd", "step_ms", "f==s", "u==s");
   for (size_t i = 0; i < shapes.size(); ++i) {
     const LayerShape& s = shapes[i];
     auto worst = [&](auto get) {
@@ -355,8 +376,9 @@ int main(int argc, char** argv) {
     const double flops = 2.0 * megakernel::forward_flops(s);
     const double fused = worst([](const RankResult& r) { return r.fused_ms; });
     const double staged = worst([](const RankResult& r) { return r.staged_ms; });
+    const double fused_after = worst([](const RankResult& r) { return r.fused_after_ms; });
     const bool fused_default = res[i][0].fused_default;
-    const double bwd = fused_default ? fused : staged;
+    const double bwd = !fused_default ? staged : res[i][0].wgrad_in_kernel ? fused : fused_after;
     const double gemms = worst([](const RankResult& r) { return r.gemms_ms; });
     const double unfused = worst([](const RankResult& r) { return r.unfused_ms; });
     const double step = worst([](const RankResult& r) { return r.step_ms; });
@@ -366,9 +388,9 @@ int main(int argc, char** argv) {
     for (const auto& r : res[i]) us &= r.unfused_vs_staged == 0;
     for (const auto& r : res[i]) fs &= r.fused_vs_staged == 0;
     const double tf = flops / bwd / 1e9;
-    std::printf("%-7s %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6s %6s\n", o.shapes[i].c_str(), bwd,
-                tf, tf / cublas_tf, gemms, bwd / gemms, fused, staged, unfused, unfused / bwd, step, fs ? "yes" : "NO",
-                us ? "yes" : "NO");
+    std::printf("%-7s %9.3f %9.1f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6s %6s\n", o.shapes[i].c_str(),
+                bwd, tf, tf / cublas_tf, gemms, bwd / gemms, fused, fused_after, staged, unfused, unfused / bwd, step,
+                fs ? "yes" : "NO", us ? "yes" : "NO");
     std::ostringstream parts;
     std::printf("%-7s GEMMs one at a time (ms):", o.shapes[i].c_str());
     for (int p = 0; p < kNumParts; ++p) {
@@ -388,6 +410,7 @@ int main(int argc, char** argv) {
             << "\"bwd_ms\": " << fmt(bwd) << ", \"bwd_tflops\": " << fmt(tf) << ", \"bwd_gemms_alone_ms\": " << fmt(gemms)
             << ", \"bwd_unfused_ms\": " << fmt(unfused) << ", \"bwd_staged_ms\": " << fmt(staged)
             << ", \"bwd_fused_ms\": " << fmt(fused) << ", \"staged_over_fused\": " << fmt(staged / fused)
+            << ", \"bwd_fused_wgrad_after_ms\": " << fmt(fused_after)
             << ", \"fused_dx_equals_staged\": " << (fs ? "true" : "false")
             << ", \"cublas_dense_tflops\": " << fmt(cublas_tf) << ", \"bwd_tflops_over_cublas\": " << fmt(tf / cublas_tf)
             << ", \"bwd_over_gemms_alone\": " << fmt(bwd / gemms) << ", \"unfused_over_bwd\": " << fmt(unfused / bwd)

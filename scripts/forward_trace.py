@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-KINDS = ["S1", "S2", "G1", "G2"]
+KINDS = ["S1", "S2", "G1", "G2", "WS", "W"]  # WS, W: the fused backward's weight gradients
 MAGIC = 0x52544457464B4F4D
 
 
@@ -159,7 +159,7 @@ def report(path, t, bins):
     for i in range(bins):
         lo, hi = edges[i], edges[i + 1]
         ov = np.clip(np.minimum(b1, hi) - np.maximum(b0, lo), 0, None) * valid
-        fr = [ov[kind == k].sum() / (ng * (hi - lo)) for k in range(4)]
+        fr = [ov[kind == k].sum() / (ng * (hi - lo)) for k in range(len(KINDS))]
         d = np.clip(np.minimum(ms(comm[:, 2]), hi) - np.maximum(ms(comm[:, 1]), lo), 0, None).sum()
         c = np.clip(np.minimum(ms(comm[:, 3]), hi) - np.maximum(ms(comm[:, 2]), lo), 0, None).sum()
         nc = max(1, comm.shape[0]) * (hi - lo)

@@ -77,6 +77,7 @@ int run_bench(const Options& opts) {
   // (the paths Workspace::create reads; a bad value throws here, naming the variable)
   const char* fwd_path = megakernel::forward_path_name(megakernel::forward_path_from_env());
   const char* bwd_path = megakernel::backward_path_name(megakernel::backward_path_from_env());
+  (void)megakernel::fused_wgrad_in_kernel_from_env();
   const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
   std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, %s backward; Config defaults%s; "
               "median of %d after %.0f ms of steady state)\n",

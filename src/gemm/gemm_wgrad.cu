@@ -5,6 +5,7 @@
 #include "gemm/grouped_gemm.hpp"
 #include "gemm/sm90_kinds_wgrad.cuh"
 #include "gemm/sm90_launch.cuh"
+#include "gemm/wgrad_params.cuh"
 #include "mok/error.hpp"
 
 namespace mok::gemm {
@@ -21,7 +22,7 @@ void launch_mode(WgradOut mode, const WgradParams& p, const Launch& l, cudaStrea
 }
 }  // namespace
 
-void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
+WgradParams wgrad_params(const WgradArgs& a, const Launch& launch, int64_t* tiles_out) {
   host::check_segments(a.seg);
   host::check_launch(launch);
   if (a.num_problems < 1 || a.num_problems > kMaxWgradProblemsPerCall) {
@@ -76,12 +77,19 @@ void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
   }
   if (tiles >= (int64_t{1} << 31)) throw_invalid("wgrad problem", "fewer than 2^31 tiles", std::to_string(tiles));
   p.err = host::error_sink(launch);
-  Launch l = launch;
-  // The host knows the tile count: no more CTAs than tiles.
-  l.grid = static_cast<int>(std::min<int64_t>(host::resolve_grid(launch), tiles));
   // wgrad runs without clusters (launch.cluster is ignored): its 2-CTA variant spilled
   // registers (docs/gemm.md) and its K loops are short, so B multicast has little to save.
   p.sched.cluster = 1;
+  if (tiles_out != nullptr) *tiles_out = tiles;
+  return p;
+}
+
+void wgrad(const WgradArgs& a, const Launch& launch, cudaStream_t stream) {
+  int64_t tiles = 0;
+  const WgradParams p = wgrad_params(a, launch, &tiles);
+  Launch l = launch;
+  // The host knows the tile count: no more CTAs than tiles.
+  l.grid = static_cast<int>(std::min<int64_t>(host::resolve_grid(launch), tiles));
   // The seeding kernel only when some problem continues an fp32 partial (without one the
   // plain-zeros seed measured +18 % on bf16 wgrad, docs/gemm.md 2026-11-30; same bits).
   bool seeded = false;

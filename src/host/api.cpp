@@ -115,6 +115,7 @@ megakernel::FusedBackwardOptions fused_backward_options(const Workspace::Impl& i
   options.grid = impl.config.grid_sms;
   options.timeout_s = impl.config.wait_timeout_s;
   options.prologue_ctas = backward_options(impl).comm_ctas;
+  options.wgrad_in_kernel = impl.fused_wgrad_in_kernel;
   return options;
 }
 

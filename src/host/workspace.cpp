@@ -60,6 +60,7 @@ std::unique_ptr<Workspace::Impl> new_impl(const LayerShape& shape, const Config&
   impl->device = device;
   impl->forward_path = megakernel::forward_path_from_env();
   impl->backward_path = megakernel::backward_path_from_env();
+  impl->fused_wgrad_in_kernel = megakernel::fused_wgrad_in_kernel_from_env();
   static std::atomic<uint64_t> next_serial{1};
   impl->serial = next_serial.fetch_add(1);
   return impl;

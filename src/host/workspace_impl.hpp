@@ -51,6 +51,9 @@ struct Workspace::Impl {
   // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
   megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;
   megakernel::BackwardPath backward_path = megakernel::BackwardPath::kStaged;
+  // The fused backward's weight gradients: its kernel's second phase (default) or launches after
+  // it (MOK_FUSED_WGRAD=after; FusedBackwardOptions::wgrad_in_kernel, same bits).
+  bool fused_wgrad_in_kernel = true;
   // The fused path's undecided choices (FusedForwardOptions::join_gemm, epilogue_push,
   // fused_topk_sum; the comm CTAs, grid and timeout come from `config`). Defaults as there;
   // tests and benches set them to compare (same bits).

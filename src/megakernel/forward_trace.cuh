@@ -33,7 +33,7 @@ enum TaskField : int {
   kTaskDesc,         // kind | minibatch << 8 | n_tile << 24 | row_tile << 40 | real_rows << 56
   kTaskFields
 };
-inline constexpr int kMaxTasks = 1024;  // per GEMM CTA; tasks beyond are not recorded
+inline constexpr int kMaxTasks = 4096;  // per GEMM CTA (the fused backward with its weight gradients: ~3.4 K at dsv3); beyond: not recorded
 enum TokenField : int {
   kTokenClaim,  // lane 0 took the token from the counter
   kTokenReady,  // its rows were final (the waits returned)

@@ -12,7 +12,9 @@
 #include "comm/roles.hpp"
 #include "gemm/dgrad_params.cuh"
 #include "gemm/gemm_host.hpp"
+#include "gemm/wgrad_params.cuh"
 #include "megakernel/backward_rows.cuh"
+#include "megakernel/backward_wgrad.cuh"
 #include "megakernel/fused_comm.cuh"
 #include "megakernel/fused_roles.cuh"
 #include "megakernel/persistent_grid.hpp"
@@ -49,6 +51,7 @@ struct FusedBackwardParams {
   using Cfg = BwdCfg;
   gemm::DgradHiddenParams shared_dh, routed_dh;  // routed_dh.sched: the expert segments
   gemm::DgradInputParams shared_dx, routed_dx;
+  gemm::WgradParams shared_wgrad, routed_wgrad;  // the second phase's tiles (tasks.*wgrad_tiles; backward_wgrad.cuh)
   TaskList tasks;
   int shared_tokens = 0;  // T
   int experts = 0;        // E_local
@@ -68,6 +71,13 @@ struct FusedBackwardParams {
   MOK_FWD_TRACE(trace::Sink trace;)  // the developer trace (fused_backward: trace_begin)
 };
 
+// The kernel's parameters with the weight gradients' output mode (gemm::WgradMode: fp32 main
+// grads added, or bf16 written; a compile-time choice, see WgradKind): the second phase.
+template <int Mode>
+struct FusedBackwardParamsOf : FusedBackwardParams {
+  static constexpr bool kSecondPhase = true;
+};
+
 // ---- the backward's hooks of the task roles (task_roles.cuh) --------------------------------
 
 __device__ __forceinline__ const gemm::ErrorSink& pass_err(const FusedBackwardParams& p) { return p.routed_dh.err; }
@@ -78,9 +88,18 @@ __device__ __forceinline__ const gemm::DgradInputParams& dx_params(const FusedBa
   return is_shared(k) ? p.shared_dx : p.routed_dx;
 }
 
+__device__ __forceinline__ const gemm::WgradParams& wgrad_params(const FusedBackwardParams& p, TaskKind k) {
+  return k == TaskKind::kSharedWgrad ? p.shared_wgrad : p.routed_wgrad;
+}
+
 __device__ inline TaskSlot task_slot(const FusedBackwardParams& p, const Task& t) {
   TaskSlot s;
   s.task = t;
+  if (is_wgrad(t.kind)) {
+    s.ktile = wgrad_params(p, t.kind).sched.tile(t.n_tile, 0);
+    s.k_steps = s.ktile.k_steps;
+    return s;
+  }
   s.tile = row_tile_of(p.routed_dh.sched, p.shared_tokens, 0, t);
   s.k_steps = is_gemm1(t.kind) ? DhKind::k_steps(dh_params(p, t.kind), s.tile) : DxKind::k_steps(dx_params(p, t.kind), s.tile);
   return s;
@@ -103,13 +122,38 @@ __device__ inline void wait_for_inputs(const FusedBackwardParams& p, const Task&
     case TaskKind::kGemm2:
       comm::wait_geq<Scope::kGpu>(p.g1_done + t.row_tile, 2u * p.tasks.n1, comm::WaitSite::kHiddenRowTile, p.wait);
       break;
+    case TaskKind::kSharedWgrad:  // the shared dg, du: every S1 row tile (dy, hs and x exist before the kernel)
+      for (int r = 0; r < p.tasks.shared_row_tiles; ++r) {
+        if (!comm::wait_geq<Scope::kGpu>(p.s1_done + r, 2u * p.tasks.shared_n1, comm::WaitSite::kHiddenRowTile, p.wait)) {
+          break;
+        }
+      }
+      break;
+    case TaskKind::kWgrad: {  // the expert's dy rows and dg, du: its minibatches' pulls, its G1 row tiles
+      const int e = p.routed_wgrad.sched.tile(t.n_tile, 0).expert;
+      const int r0 = __ldg(p.routed_wgrad.sched.offsets + e) / kRowTile;
+      const int r1 = __ldg(p.routed_wgrad.sched.offsets + e + 1) / kRowTile;
+      const int per = p.tasks.tiles_per_minibatch;
+      for (int m = r0 / per; r1 > r0 && m <= (r1 - 1) / per; ++m) {
+        if (!comm::wait_minibatch_ready(p.ready, p.view, m, p.wait)) break;
+      }
+      for (int r = r0; r < r1; ++r) {
+        if (!comm::wait_geq<Scope::kGpu>(p.g1_done + r, 2u * p.tasks.n1, comm::WaitSite::kHiddenRowTile, p.wait)) break;
+      }
+      break;
+    }
   }
   fence_proxy_async_global();  // NOTE: generic or TMA writes of other CTAs before our TMA loads
 }
 
-__device__ inline bool produce_task(const FusedBackwardParams& p, const TaskSlot& slot,
+template <int Mode>
+__device__ inline bool produce_task(const FusedBackwardParamsOf<Mode>& p, const TaskSlot& slot,
                                     gemm::SharedStorage<BwdCfg>& ss, gemm::PipeState<BwdCfg::kStages>& st) {
   const TaskKind kind = slot.task.kind;
+  if (is_wgrad(kind)) {
+    using WKind = WgradTaskKind<Mode>;
+    return produce_tile_of<WKind>(wgrad_params(p, kind), slot, slot.ktile, wgrad_storage<typename WKind::Cfg>(ss), st);
+  }
   return is_gemm1(kind) ? produce_tile<DhKind>(dh_params(p, kind), slot, ss, st)
                         : produce_tile<DxKind>(dx_params(p, kind), slot, ss, st);
 }
@@ -163,6 +207,7 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedBackwardParams& p, 
     case TaskKind::kGemm1: return p.g1_done + t.row_tile;
     case TaskKind::kGemm2: return p.g2_done + t.row_tile;
     case TaskKind::kSharedGemm2: return nullptr;  // read after the kernel only
+    default: return nullptr;  // weight gradients (the second phase publishes nothing)
   }
   return nullptr;
 }
@@ -208,7 +253,8 @@ __device__ bool backward_comm_cta(const FusedBackwardParams& p, int cta) {
 // ---- GEMM CTAs and the kernel ---------------------------------------------------------------
 
 // trace_cta: this CTA's trace row (the developer trace build).
-__device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_raw, int trace_cta) {
+template <int Mode>
+__device__ void backward_gemm_cta(const FusedBackwardParamsOf<Mode>& p, uint8_t* smem_raw, int trace_cta) {
   auto* ss = reinterpret_cast<gemm::SharedStorage<BwdCfg>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                              ~uintptr_t(1023));
   if (threadIdx.x == 0) {
@@ -216,6 +262,8 @@ __device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_ra
     init_task_queue(*ss);
     DhKind::prefetch_descriptors(p.routed_dh);
     DxKind::prefetch_descriptors(p.routed_dx);
+    if (p.tasks.shared_wgrad_tiles > 0) WgradTaskKind<Mode>::prefetch_descriptors(p.shared_wgrad);
+    if (p.tasks.wgrad_tiles > 0) WgradTaskKind<Mode>::prefetch_descriptors(p.routed_wgrad);
   }
   __syncthreads();
   TaskList list = p.tasks;
@@ -230,12 +278,14 @@ __device__ void backward_gemm_cta(const FusedBackwardParams& p, uint8_t* smem_ra
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<BwdCfg::kConsumerRegs>();
-    gemm_consumer(p, list, *ss, trace_cta);
+    const ConsumerExit<BwdCfg::kStages> exit = gemm_consumer(p, list, *ss, trace_cta);
+    if (exit.second_phase) wgrad_consumer<Mode>(p, *ss, exit, list.size(), trace_cta);
   }
 }
 
+template <int Mode>
 __global__ void __launch_bounds__(FusedCta::kThreads, 1)
-    fused_backward_kernel(const __grid_constant__ FusedBackwardParams p) {
+    fused_backward_kernel(const __grid_constant__ FusedBackwardParamsOf<Mode> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
   const int cta = static_cast<int>(blockIdx.x);
@@ -254,17 +304,30 @@ __global__ void __launch_bounds__(FusedCta::kThreads, 1)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int resolve_grid(const FusedBackwardOptions& o) {
-  const PersistentKernel k{reinterpret_cast<const void*>(fused_backward_kernel), FusedCta::kThreads,
-                           FusedCta::kSmemBytes, "fused backward"};
+template <int Mode>
+PersistentKernel persistent_kernel() {
+  return PersistentKernel{reinterpret_cast<const void*>(fused_backward_kernel<Mode>), FusedCta::kThreads,
+                          FusedCta::kSmemBytes, "fused backward"};
+}
+
+// The kernel instance of the weight gradients' mode (fp32 without weight-gradient tasks).
+int wgrad_mode(const WeightGrads& g, bool tasks) {
+  return tasks && g.mode == GradMode::kWriteBf16 ? gemm::kWgradWriteBf16 : gemm::kWgradAccumulateFp32;
+}
+
+int resolve_grid(const FusedBackwardOptions& o, int mode) {
+  const PersistentKernel k = mode == gemm::kWgradWriteBf16 ? persistent_kernel<gemm::kWgradWriteBf16>()
+                                                           : persistent_kernel<gemm::kWgradAccumulateFp32>();
   const int grid = resolve_persistent_grid(k, o.grid, o.comm_ctas, "Config.comm_sms_backward");
   if (!(o.timeout_s > 0)) throw_invalid("FusedBackwardOptions.timeout_s", "> 0", std::to_string(o.timeout_s));
   return grid;
 }
 
+// wgrad: the weight gradients as the kernel's second phase (nullptr: launches after it, or deferred).
 FusedBackwardParams make_params(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
                                 const SavedContext& used, const BackwardArgs& args, const ExpertWeights& w,
-                                const GradInputs& out, const FusedBackwardOptions& o, int grid) {
+                                const GradInputs& out, const FusedBackwardOptions& o, int grid,
+                                const WeightGrads* wgrad) {
   const LayerShape& s = state.shape();
   const comm::ScheduleView& v = used.schedule;
   const comm::SymmetricLayout& layout = state.layout();
@@ -327,7 +390,26 @@ FusedBackwardParams make_params(comm::CommState& state, ForwardBuffers& fwd, Bac
   p.dtopk = DtopkPush{v.header, v.rows, bwd.dw_part.get(), static_cast<int>(bwd.col_tiles), layout.dtopk,
                       static_cast<int>(s.topk), p.g1_done, 2u * static_cast<uint32_t>(p.tasks.n1)};
   if (p.combine_ctas > 0) p.combine_done = state.barrier(comm::SyncSite::kCombineDone);
+  if (wgrad != nullptr) {  // the launches' own parameters (backward_gemms: the same problems)
+    int64_t tiles = 0;
+    if (s.has_shared()) {
+      p.shared_wgrad = gemm::wgrad_params(backward_wgrad_args(state, fwd, bwd, used, *wgrad, out, true), launch, &tiles);
+      p.shared_wgrad.err = err;
+      p.tasks.shared_wgrad_tiles = static_cast<int>(tiles);
+    }
+    p.routed_wgrad = gemm::wgrad_params(backward_wgrad_args(state, fwd, bwd, used, *wgrad, out, false), launch, &tiles);
+    p.routed_wgrad.err = err;
+    p.tasks.wgrad_tiles = static_cast<int>(tiles);
+  }
   return p;
+}
+
+template <int Mode>
+void launch_kernel(const FusedBackwardParams& base, int grid, cudaStream_t stream) {
+  FusedBackwardParamsOf<Mode> p;
+  static_cast<FusedBackwardParams&>(p) = base;
+  fused_backward_kernel<Mode><<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
+  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
@@ -341,12 +423,21 @@ BackwardPath backward_path_from_env() {
 
 const char* backward_path_name(BackwardPath path) { return path == BackwardPath::kStaged ? "staged" : "fused"; }
 
+bool fused_wgrad_in_kernel_from_env() {
+  const char* v = std::getenv("MOK_FUSED_WGRAD");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "kernel") == 0) return true;
+  if (std::strcmp(v, "after") == 0) return false;
+  throw_invalid("MOK_FUSED_WGRAD", "kernel (default) or after", v);
+}
+
 void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
                     const FusedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {
   const LayerShape& s = state.shape();
   if (defer == nullptr) check_grads(s, grads);  // bad arguments throw before anything is enqueued
-  const int grid = resolve_grid(o);
+  const bool wgrad_tasks = defer == nullptr && o.wgrad_in_kernel;
+  const int mode = wgrad_mode(grads, wgrad_tasks);
+  const int grid = resolve_grid(o, mode);
   MOK_FWD_TRACE(const trace::Sink sink = trace_begin(grid, o.comm_ctas, 0, stream);)
   StagedBackwardOptions steps;  // the launches before and after the kernel
   steps.comm_ctas = o.prologue_ctas;
@@ -356,16 +447,19 @@ void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const GradInputs out = defer != nullptr ? *defer : GradInputs::scratch(bwd);
   // hs = bf16(w h) from g, u before dh may overwrite them (a deferring backward's dg, du go in place of g, u).
   backward_gemms(state, fwd, bwd, used, w, WeightGrads{}, steps, /*with_hs=*/true, stream, /*parts=*/0u, &out);
-  FusedBackwardParams p = make_params(state, fwd, bwd, used, args, w, out, o, grid);
+  FusedBackwardParams p = make_params(state, fwd, bwd, used, args, w, out, o, grid, wgrad_tasks ? &grads : nullptr);
   const comm::ScheduleBuffers& sb = state.schedule_buffers();
   const size_t ready_words = sb.max_minibatches + sb.buffer_rows / kRowTile + 1;
   MOK_CUDA_CHECK(cudaMemsetAsync(state.ready_counters(), 0, ready_words * sizeof(uint32_t), stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(fwd.tile_counters.get(), 0, fwd.tile_counters.bytes(), stream));
   MOK_FWD_TRACE(p.trace = sink; trace_event(1, stream);)
-  fused_backward_kernel<<<grid, FusedCta::kThreads, FusedCta::kSmemBytes, stream>>>(p);
-  MOK_CUDA_CHECK(cudaGetLastError());
+  if (mode == gemm::kWgradWriteBf16) {
+    launch_kernel<gemm::kWgradWriteBf16>(p, grid, stream);
+  } else {
+    launch_kernel<gemm::kWgradAccumulateFp32>(p, grid, stream);
+  }
   MOK_FWD_TRACE(trace_event(2, stream);)
-  if (defer == nullptr) {
+  if (defer == nullptr && !wgrad_tasks) {
     backward_gemms(state, fwd, bwd, used, w, grads, steps, /*with_hs=*/false, stream, kSharedWgrad | kRoutedWgrad,
                    &out);
   }

@@ -12,9 +12,10 @@
 //     CTAs after their share of the pull. GEMM CTAs take, in list order: the shared expert's
 //     dh + SwiGLU backward and dx tiles (they hide the first pulls), then per minibatch the
 //     routed dh (dgrad of GEMM 2 + SwiGLU backward + the d topk_w parts, once its dy rows
-//     arrived) and dx (once its row tile's dh is complete);
-//   - after it: the K-grouped weight gradients (unless deferred), the d topk_w push at EP 1,
-//     the fixed-order dx sum (backward_finish).
+//     arrived) and dx (once its row tile's dh is complete), then (unless deferred, or
+//     wgrad_in_kernel off) the K-grouped weight gradients: the shared expert's tiles, then the
+//     routed experts', each once the dh tiles it reads are complete (backward_wgrad.cuh);
+//   - after it: the d topk_w push at EP 1, the fixed-order dx sum (backward_finish).
 // Same GEMM tiles, K order, epilogues and sums as the staged backward: the staged backward's bits.
 #pragma once
 
@@ -41,7 +42,14 @@ struct FusedBackwardOptions {
   int grid = 0;             // Config::grid_sms; 0 = every SM. Must leave >= 1 GEMM CTA.
   double timeout_s = 10.0;  // Config::wait_timeout_s
   int prologue_ctas = 16;   // CTAs of the launches before the kernel (the x pull)
+  // The K-grouped weight gradients as the kernel's second phase (tasks after every dgrad task,
+  // backward_wgrad.cuh), or (false) as launches after it. Same bits. MOK_FUSED_WGRAD.
+  bool wgrad_in_kernel = true;
 };
+
+// MOK_FUSED_WGRAD: "kernel" (default) or "after" (FusedBackwardOptions::wgrad_in_kernel), read
+// once when a workspace is created.
+bool fused_wgrad_in_kernel_from_env();
 
 // One backward pass on `stream` over `saved`, as staged_backward (same arguments, same bits).
 void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,

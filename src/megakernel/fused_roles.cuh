@@ -151,6 +151,8 @@ __device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& 
     case TaskKind::kGemm2:
       comm::wait_geq<Scope::kGpu>(p.g1_done + t.row_tile, 2u * p.tasks.n1, comm::WaitSite::kHiddenRowTile, p.wait);
       break;
+    default:
+      break;  // (the backward's weight-gradient kinds: not in the forward's list)
   }
   // NOTE: the rows were written by other CTAs (generic stores of dispatch, or TMA stores
   // published after a proxy fence); our TMA loads (async proxy) must come after the acquire.
@@ -232,6 +234,7 @@ __device__ __forceinline__ uint32_t* done_counter(const FusedForwardParams& p, c
     case TaskKind::kGemm2: return p.g2_done + t.row_tile;
     // Only the fused top-k sum reads s2_done: without it the tile is not published (nullptr).
     case TaskKind::kSharedGemm2: return p.topk.on ? p.s2_done + t.row_tile : nullptr;
+    default: return nullptr;  // (the backward's weight-gradient kinds)
   }
   return nullptr;
 }

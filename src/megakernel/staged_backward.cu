@@ -235,7 +235,6 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const int64_t T = v.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;  // this call's T
   const int64_t R = bwd.buffer_rows;
   const gemm::Launch launch = gemm_launch(fwd, o.gemm_grid, o.timeout_s);
-  const gemm::WgradOut mode = wgrad_out(grads.mode);
 
   // Shared expert: dy unscaled, its weight gradients over this rank's tokens. hs first: dg, du
   // may overwrite g, u (a deferring backward keeps them in the context in place of g, u).
@@ -257,14 +256,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
       gemm::dgrad_input({seg, H, S, out.shared_dg, out.shared_du, w.shared_gate, w.shared_up, bwd.shared_dx.get()},
                         launch, stream);
     }
-    gemm::WgradArgs wa;
-    wa.seg = seg;
-    wa.mode = mode;
-    wa.problems[0] = {bwd.shared_dy.get(), out.shared_hs, H, S, nullptr, grads.shared_down};
-    wa.problems[1] = {out.shared_dg, fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
-    wa.problems[2] = {out.shared_du, fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
-    wa.num_problems = 3;
-    if (parts & kSharedWgrad) gemm::wgrad(wa, launch, stream);
+    if (parts & kSharedWgrad) gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, true), launch, stream);
   }
 
   // Routed experts (hs first, as above).
@@ -284,15 +276,30 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
     gemm::dgrad_input({seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get(), w.gate_expert_stride, w.up_expert_stride},
                       launch, stream);
   }
+  if (parts & kRoutedWgrad) gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, false), launch, stream);
+}
+
+gemm::WgradArgs backward_wgrad_args(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                                    const SavedContext& saved, const WeightGrads& grads, const GradInputs& out,
+                                    bool shared) {
+  const LayerShape& s = state.shape();
+  const int64_t H = s.hidden, I = s.intermediate, S = s.shared_intermediate;
   gemm::WgradArgs wa;
-  wa.seg = seg;
-  wa.mode = mode;
+  wa.mode = wgrad_out(grads.mode);
+  wa.num_problems = 3;
+  if (shared) {  // dy unscaled, over this rank's tokens
+    wa.seg = gemm::Segments{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
+    wa.problems[0] = {bwd.shared_dy.get(), out.shared_hs, H, S, nullptr, grads.shared_down};
+    wa.problems[1] = {out.shared_dg, fwd.shared_x.get(), S, H, nullptr, grads.shared_gate};
+    wa.problems[2] = {out.shared_du, fwd.shared_x.get(), S, H, nullptr, grads.shared_up};
+    return wa;
+  }
+  wa.seg = gemm::Segments{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
   wa.problems[0] = {bwd.dy_rows.get(), out.hs, H, I, nullptr, grads.down, grads.down_expert_stride};
   bf16* const x_rows = x_rows_of(state, bwd);
   wa.problems[1] = {out.dg, x_rows, I, H, nullptr, grads.gate, grads.gate_expert_stride};
   wa.problems[2] = {out.du, x_rows, I, H, nullptr, grads.up, grads.up_expert_stride};
-  wa.num_problems = 3;
-  if (parts & kRoutedWgrad) gemm::wgrad(wa, launch, stream);
+  return wa;
 }
 
 namespace {

@@ -13,6 +13,7 @@
 
 #include "comm/comm_state.hpp"
 #include "comm/device_buffer.hpp"
+#include "gemm/grouped_gemm.hpp"
 #include "megakernel/context.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
@@ -105,6 +106,12 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
                     const ExpertWeights& weights, const WeightGrads& grads, const StagedBackwardOptions& options,
                     bool with_hs, cudaStream_t stream, unsigned parts = kAllBackwardGemms,
                     const GradInputs* into = nullptr);
+
+// The K-grouped weight-gradient launch of the shared expert (shared) or the routed experts over
+// the rows already pulled: backward_gemms' launches and the fused backward's weight-gradient tasks.
+gemm::WgradArgs backward_wgrad_args(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
+                                    const SavedContext& saved, const WeightGrads& grads, const GradInputs& out,
+                                    bool shared);
 
 // Stream-ordered: the x rows over `saved`'s routing table, then GEMM 1 (shared and routed) into
 // `out` (its g, u, shared g, u; h into the backward's hs scratch): the forward's saved

@@ -15,6 +15,8 @@
 //   G1(0)                                                                     (waits: ready[0])
 //   G1(1) G2(0)  G1(2) G2(1) ... G1(M-1) G2(M-2)                              (G2(m) waits: G1 row tile)
 //   G2(M-1)
+//   WS   the fused backward only: the shared expert's weight-gradient tiles   (waits: every S1 row tile)
+//   W    the fused backward only: the routed weight-gradient tiles            (waits: the expert's G1 row tiles)
 // The shared tiles come first: they hide the dispatch of the first minibatch. GEMM2 of a
 // minibatch trails its GEMM1 by one minibatch of GEMM1 work, so its hidden rows are usually
 // complete when a CTA takes it. Which CTA computes a tile never changes how: the bits do not
@@ -27,19 +29,22 @@
 
 namespace mok::megakernel {
 
-enum class TaskKind : int { kSharedGemm1 = 0, kSharedGemm2 = 1, kGemm1 = 2, kGemm2 = 3 };
+// kSharedWgrad / kWgrad: the K-grouped weight-gradient tiles of the fused backward (its second
+// phase, after every dgrad task of the list: backward_wgrad.cuh).
+enum class TaskKind : int { kSharedGemm1 = 0, kSharedGemm2 = 1, kGemm1 = 2, kGemm2 = 3, kSharedWgrad = 4, kWgrad = 5 };
 
 struct Task {
   TaskKind kind;
   int row_tile;   // shared: tile of the rank's tokens; routed: global row tile of the expert-major buffer
-  int n_tile;     // output column block
+  int n_tile;     // output column block; weight gradients: the tile of the wgrad launch (KGroupedScheduler::tile)
   int minibatch;  // routed only
 };
 
 __device__ __forceinline__ bool is_gemm1(TaskKind k) { return k == TaskKind::kSharedGemm1 || k == TaskKind::kGemm1; }
 __device__ __forceinline__ bool is_shared(TaskKind k) {
-  return k == TaskKind::kSharedGemm1 || k == TaskKind::kSharedGemm2;
+  return k == TaskKind::kSharedGemm1 || k == TaskKind::kSharedGemm2 || k == TaskKind::kSharedWgrad;
 }
+__device__ __forceinline__ bool is_wgrad(TaskKind k) { return k == TaskKind::kSharedWgrad || k == TaskKind::kWgrad; }
 
 struct TaskList {
   // Host constants.
@@ -49,6 +54,8 @@ struct TaskList {
   int n2 = 0;                   // ceil(H / 256): column blocks of every GEMM2
   int tiles_per_minibatch = 1;  // Config::effective_minibatch / 128
   int group_m = gemm::kGroupM;
+  int shared_wgrad_tiles = 0;   // fused backward with the weight gradients in the kernel: the tiles
+  int wgrad_tiles = 0;          // of the shared and the routed wgrad launch (shapes only); else 0
   // Per pass, from the schedule (all CTAs derive the same values).
   int routed_row_tiles = 0;
   int minibatches = 0;
@@ -66,9 +73,15 @@ struct TaskList {
 
   __device__ int rows_of(int m) const { return min(tiles_per_minibatch, routed_row_tiles - m * tiles_per_minibatch); }
   __device__ int shared_tasks() const { return shared_row_tiles * (shared_n1 + n2); }
-  __device__ int size() const { return shared_tasks() + routed_row_tiles * (n1 + n2); }
+  __device__ int dgrad_size() const { return shared_tasks() + routed_row_tiles * (n1 + n2); }  // (forward: all)
+  __device__ int size() const { return dgrad_size() + shared_wgrad_tiles + wgrad_tiles; }
 
   __device__ Task at(int i) const {
+    const int w = i - dgrad_size();
+    if (w >= 0) {
+      return w < shared_wgrad_tiles ? Task{TaskKind::kSharedWgrad, 0, w, 0}
+                                    : Task{TaskKind::kWgrad, 0, w - shared_wgrad_tiles, 0};
+    }
     const int s1 = shared_row_tiles * shared_n1;
     if (i < s1) return make(TaskKind::kSharedGemm1, 0, shared_row_tiles, shared_n1, 0, i);
     i -= s1;

@@ -50,7 +50,8 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 // task has a first stage: a task without K steps sends one stage without loads.
 struct TaskSlot {
   Task task;
-  gemm::RowTile tile;
+  gemm::RowTile tile;   // the row kinds' tile
+  gemm::KTile ktile;    // a weight-gradient task's tile (the fused backward's second phase)
   int k_steps;  // kEndOfTasks: no task left, the consumers stop
 };
 inline constexpr int kEndOfTasks = -1;
@@ -107,10 +108,10 @@ __device__ __forceinline__ TaskSlot read_task_slot(const TaskSlot& in) {
 // All K stages of one tile into the ring (the loop body of gemm::tma_producer), then the
 // kind's epilogue stages (gemm::load_epilogue_stages). The slot goes with the first stage (see
 // TaskSlot); a task without K steps sends one stage without loads.
-template <class Kind>
-__device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSlot& slot,
-                                    gemm::SharedStorage<typename Kind::Cfg>& ss,
-                                    gemm::PipeState<Kind::Cfg::kStages>& st) {
+template <class Kind, class Tile>
+__device__ inline bool produce_tile_of(const typename Kind::Params& p, const TaskSlot& slot, const Tile& tile,
+                                       gemm::SharedStorage<typename Kind::Cfg>& ss,
+                                       gemm::PipeState<Kind::Cfg::kStages>& st) {
   using Cfg = typename Kind::Cfg;
   for (int k = 0; k < max(slot.k_steps, 1); ++k) {
     if (!gemm::wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return false;
@@ -119,11 +120,17 @@ __device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSl
       cutlass::arch::ClusterBarrier::arrive(&ss.bars.full[st.index]);
     } else {
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index], Cfg::kStageBytes);
-      Kind::load_stage(p, slot.tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], 0);
+      Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], 0);
     }
     st.advance();
   }
-  return gemm::load_epilogue_stages<Kind>(p, slot.tile, ss, st);  // (the dh kinds' g, u)
+  return gemm::load_epilogue_stages<Kind>(p, tile, ss, st);  // (the dh kinds' g, u; fp32 wgrad's main grad)
+}
+template <class Kind>
+__device__ inline bool produce_tile(const typename Kind::Params& p, const TaskSlot& slot,
+                                    gemm::SharedStorage<typename Kind::Cfg>& ss,
+                                    gemm::PipeState<Kind::Cfg::kStages>& st) {
+  return produce_tile_of<Kind>(p, slot, slot.tile, ss, st);
 }
 
 // After the last task: one stage without loads whose slot tells the consumers to stop. Every
@@ -227,13 +234,38 @@ struct PendingTile {
   }
 };
 
-// Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
-// over, until its end slot). `trace_cta`: this CTA's trace row.
+// A pass with a second phase of tasks of another MMA (the fused backward's weight gradients,
+// P::kSecondPhase: tasks for which is_wgrad(kind), all after the first phase's in the list).
 template <class P>
-__device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::SharedStorage<typename P::Cfg>& ss,
-                                     int trace_cta) {
+constexpr bool has_second_phase() {
+  if constexpr (requires { P::kSecondPhase; }) {
+    return P::kSecondPhase;
+  } else {
+    return false;
+  }
+}
+
+// Where a consumer stopped its first phase: at the end slot, or (second_phase) at the first
+// task of the second phase, its stage waited for but not consumed; `st` and `tasks` (the
+// tasks this CTA ran, the trace's row index) continue there.
+template <int Stages>
+struct ConsumerExit {
+  gemm::PipeState<Stages> st;
+  int tasks = 0;
+  bool second_phase = false;
+  bool timeout = false;
+};
+
+// Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
+// over, until its end slot or the first second-phase task; everything published at the end).
+// `trace_cta`: this CTA's trace row.
+template <class P>
+__device__ inline ConsumerExit<P::Cfg::kStages> gemm_consumer(const P& p, const TaskList& list,
+                                                              gemm::SharedStorage<typename P::Cfg>& ss,
+                                                              int trace_cta) {
   using Cfg = typename P::Cfg;
   (void)trace_cta;
+  ConsumerExit<Cfg::kStages> exit;
   const int ctid = threadIdx.x - gemm::kWarpGroupThreads;
   auto mma = gemm::make_consumer_mma<Cfg>();
   auto thr = mma.get_thread_slice(ctid);
@@ -267,7 +299,8 @@ __device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::Sha
   // NOTE: bounded by the list (a CTA takes at most all of it; the end slot ends the loop): with
   // no bound (for (;;)) ptxas serialised every wgmma of the kernel (C7518).
   const int n = list.size();
-  for (int j = 0; j < n; ++j) {
+  int j = 0;
+  for (; j < n; ++j) {
     MOK_FWD_TRACE(const bool stamp = ctid == 0; if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskTileBegin);)
     // The task arrives with its first stage (TaskSlot).
     if (ctx.tid == 0 && !cutlass::arch::ClusterBarrier::try_wait(&ss.bars.full[st.index], st.phase)) {
@@ -276,6 +309,12 @@ __device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::Sha
     if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, pass_err(p))) break;
     const TaskSlot slot = read_task_slot(slots[st.index]);
     if (slot.k_steps == kEndOfTasks) break;  // (its TileBegin stamp alone: the trace reader skips it)
+    if constexpr (has_second_phase<P>()) {
+      if (is_wgrad(slot.task.kind)) {  // (uniform: read_task_slot)
+        exit.second_phase = true;
+        break;
+      }
+    }
     const Task& t = slot.task;
     const int k_steps = slot.k_steps;
     seed_task(p, slot, ctx, acc);
@@ -316,7 +355,11 @@ __device__ inline void gemm_consumer(const P& p, const TaskList& list, gemm::Sha
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
   }
   if (epilogue_timeout) gemm::report_timeout_no_trap(pass_err(p));
-  if (ctx.tid == 0) publish_all();
+  if (ctx.tid == 0) publish_all();  // (before a second phase too: its tasks may wait on other CTAs)
+  exit.st = st;
+  exit.tasks = j;
+  exit.timeout = epilogue_timeout;
+  return exit;
 }
 
 }  // namespace mok::megakernel

@@ -412,8 +412,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BackwardVsReference,
                                   (std::get<2>(info.param) == 0 ? "_fp32acc" : "_bf16");
                          });
 
-// The fused backward (the default) against the staged one, its oracle: every output and weight
-// gradient bit for bit, every case, EP 1 and 2, both GradModes, a deferring call too.
+// The fused backward against the staged one, its oracle: every output and weight gradient bit
+// for bit, every case, EP 1 and 2, both GradModes, the weight gradients as the kernel's second
+// phase (the fused default) and as launches after it, a deferring call too.
 class BackwardFusedVsStaged : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(BackwardFusedVsStaged, SameBits) {
@@ -432,6 +433,12 @@ TEST_P(BackwardFusedVsStaged, SameBits) {
     const std::string what = std::string(c.name) + " ep " + std::to_string(ep) + " mode " + std::to_string(int(mode));
     const auto want = run_backward(p, dy, bwd_config(s), staged);
     expect_same_bits(run_backward(p, dy, bwd_config(s), fused)[0], want[0], what);
+    RunOptions after = fused;
+    after.configure = [](Workspace& ws) {
+      ws.impl().backward_path = megakernel::BackwardPath::kFused;
+      ws.impl().fused_wgrad_in_kernel = false;
+    };
+    expect_same_bits(run_backward(p, dy, bwd_config(s), after)[0], want[0], what + " weight gradients after the kernel");
     if (which == 0) {  // the deferred weight gradients after a fused backward
       RunOptions split = fused;
       split.defer = true;
