@@ -11,8 +11,10 @@
 //     main grads, the main-grad block as four epilogue stages (WgradKind's stage ring);
 //   - the consumers leave the dgrad loop at the first such task (gemm_consumer, ConsumerExit:
 //     everything published) and run this loop with the MN-major MMA over the same stage ring.
-//     The bf16 epilogue is not deferred here (the standalone kind hides it under the next tile's
-//     K loop); the bits are the same.
+//     The bf16 epilogue is deferred as in the standalone kind: a tile's result is packed after its
+//     K loop and stored in two pieces during the next tile's K loop (WgradParams::defer_round0 /
+//     defer_round1, warpgroup 1 kDeferWg1Shift batches later); the fp32 one takes its main-grad
+//     stages from the ring right after the K loop.
 // Nothing in the kernel waits on a weight-gradient tile: their stores only have to land before
 // the kernel ends.
 #pragma once
@@ -79,11 +81,30 @@ __device__ inline void wgrad_consumer(const P& p, gemm::SharedStorage<RowCfg>& r
   const gemm::EpiCtx ctx = gemm::make_epi_ctx(ss, ctid / gemm::kWarpGroupThreads, ctid % gemm::kWarpGroupThreads);
   gemm::PipeState<WCfg::kStages> st = exit.st;
   const TaskSlot* slots = task_slots(ss);
-  bool epilogue_timeout = false;
+  bool epilogue_timeout = false, ok = true;
+  // bf16: the tile whose store waits for the next K loop (its params: shared or routed).
+  constexpr bool kDeferred = Mode == gemm::kWgradWriteBf16;
+  struct Waiting {
+    typename Kind::Packed packed;
+    typename Kind::Pending where;
+    bool on = false, shared = false;
+  };
+  [[maybe_unused]] Waiting waiting;
+  // Warp-uniform (shuffled): a threadIdx-derived value near wgmma serialises it (C7518).
+  [[maybe_unused]] const int wg1_shift = __shfl_sync(0xffffffffu, ctx.wg == 1 ? p.routed_wgrad.defer_wg1_shift : 0, 0);
+  auto store_piece = [&]<int P>(std::integral_constant<int, P>) {
+    if constexpr (kDeferred) {
+      const gemm::WgradParams& wp = waiting.shared ? p.shared_wgrad : p.routed_wgrad;
+      Kind::template store_piece<P>(wp, waiting.where, ctx, waiting.packed);
+    }
+  };
   // NOTE: bounded by the list, as gemm_consumer's loop (C7518 otherwise).
   for (int j = exit.tasks; j < n; ++j) {
     MOK_FWD_TRACE(const bool stamp = ctid == 0; if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskTileBegin);)
-    if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, err)) break;  // (recorded)
+    if (!gemm::wait_barrier(&ss.bars.full[st.index], st.phase, err)) {
+      ok = false;  // (recorded)
+      break;
+    }
     const TaskSlot slot = read_wgrad_slot(slots[st.index]);
     if (slot.k_steps == kEndOfTasks) break;
     // NOTE: by reference (grid-constant parameter space), never by value.
@@ -94,7 +115,18 @@ __device__ inline void wgrad_consumer(const P& p, gemm::SharedStorage<RowCfg>& r
       gemm::release_stage(ss, st.index, ctx.tid);
       st.advance();
     }
-    if (!gemm::mma_mainloop<WCfg>(ss, st, slot.k_steps, mma, tCrA, tCrB, acc, err, ctx.tid)) break;
+    const int slot0 = gemm::hook_slot(p.routed_wgrad.defer_round0 + wg1_shift, slot.k_steps);
+    const int slot1 = gemm::hook_slot(p.routed_wgrad.defer_round1 + wg1_shift, slot.k_steps);
+    auto during_k_loop = [&](int k) {  // the waiting tile's two store pieces
+      if constexpr (kDeferred) {
+        if (waiting.on && k == slot0) store_piece(std::integral_constant<int, 0>{});
+        if (waiting.on && k == slot1) store_piece(std::integral_constant<int, 1>{});
+      }
+    };
+    if (!gemm::mma_mainloop<WCfg>(ss, st, slot.k_steps, mma, tCrA, tCrB, acc, err, ctx.tid, -1, during_k_loop)) {
+      ok = false;
+      break;
+    }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskMainloopEnd);)
     if constexpr (Mode == gemm::kWgradAccumulateFp32) {
       if (!Kind::epilogue(wp, t, ctx, acc, gemm::EpilogueRing<WCfg>{ss, st, err, ctx.tid})) {
@@ -103,13 +135,18 @@ __device__ inline void wgrad_consumer(const P& p, gemm::SharedStorage<RowCfg>& r
       }
     } else {
       static_assert(Mode == gemm::kWgradWriteBf16, "weight gradients are added into fp32 or written bf16");
-      typename Kind::Packed packed;
-      Kind::pack(wp, t, ctx, acc, packed);
-      const typename Kind::Pending pending = Kind::pending_of(t);
-      Kind::template store_piece<0>(wp, pending, ctx, packed);
-      Kind::template store_piece<1>(wp, pending, ctx, packed);
+      Kind::pack(wp, t, ctx, acc, waiting.packed);
+      waiting.where = Kind::pending_of(t);
+      waiting.shared = slot.task.kind == TaskKind::kSharedWgrad;
+      waiting.on = true;
     }
     MOK_FWD_TRACE(if (stamp) trace::task_stamp(p.trace, trace_cta, j, trace::kTaskEpilogueEnd);)
+  }
+  if constexpr (kDeferred) {
+    if (ok && waiting.on) {
+      store_piece(std::integral_constant<int, 0>{});
+      store_piece(std::integral_constant<int, 1>{});
+    }
   }
   if (epilogue_timeout) gemm::report_timeout_no_trap(err);
   if (ctx.tid == 0) gemm::tma_store_wait_all_complete();  // the shared memory outlives the stores' reads
