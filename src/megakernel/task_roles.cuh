@@ -253,7 +253,6 @@ struct ConsumerExit {
   gemm::PipeState<Stages> st;
   int tasks = 0;
   bool second_phase = false;
-  bool timeout = false;
 };
 
 // Consumer warpgroups (the body of gemm::consumer_warpgroup over the tasks the producer hands
@@ -358,7 +357,6 @@ __device__ inline ConsumerExit<P::Cfg::kStages> gemm_consumer(const P& p, const 
   if (ctx.tid == 0) publish_all();  // (before a second phase too: its tasks may wait on other CTAs)
   exit.st = st;
   exit.tasks = j;
-  exit.timeout = epilogue_timeout;
   return exit;
 }
 
