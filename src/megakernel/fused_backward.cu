@@ -107,8 +107,9 @@ __device__ inline TaskSlot task_slot(const FusedBackwardParams& p, const Task& t
 
 // Waits (one thread) until the task's inputs exist; a timed-out wait is recorded (dx is
 // poisoned) and the task runs on whatever is there, so the kernel still ends.
-__device__ inline void wait_for_inputs(const FusedBackwardParams& p, const Task& t) {
+__device__ inline void wait_for_inputs(const FusedBackwardParams& p, const TaskSlot& slot) {
   using comm::Scope;
+  const Task& t = slot.task;
   switch (t.kind) {
     case TaskKind::kSharedGemm1:
       return;  // the shared expert's dy rows were staged before the kernel
@@ -130,7 +131,7 @@ __device__ inline void wait_for_inputs(const FusedBackwardParams& p, const Task&
       }
       break;
     case TaskKind::kWgrad: {  // the expert's dy rows and dg, du: its minibatches' pulls, its G1 row tiles
-      const int e = p.routed_wgrad.sched.tile(t.n_tile, 0).expert;
+      const int e = slot.ktile.expert;  // (task_slot found the tile)
       const int r0 = __ldg(p.routed_wgrad.sched.offsets + e) / kRowTile;
       const int r1 = __ldg(p.routed_wgrad.sched.offsets + e + 1) / kRowTile;
       const int per = p.tasks.tiles_per_minibatch;

@@ -128,8 +128,9 @@ __device__ __forceinline__ const gemm::ErrorSink& pass_err(const FusedForwardPar
 // Waits (one thread) until the task's input rows exist. A timed-out wait is already in the
 // error record (Workspace::check throws it, y is poisoned): the task then runs on whatever is
 // there, so the kernel still ends instead of hanging; every later wait gives up at once.
-__device__ inline void wait_for_inputs(const FusedForwardParams& p, const Task& t) {
+__device__ inline void wait_for_inputs(const FusedForwardParams& p, const TaskSlot& slot) {
   using comm::Scope;
+  const Task& t = slot.task;
   switch (t.kind) {
     case TaskKind::kSharedGemm1:
       return;  // x is an input of the pass

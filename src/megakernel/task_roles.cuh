@@ -16,7 +16,8 @@
 // provides, found by argument-dependent lookup:
 //   pass_err(p)                                   the GEMM error sink of the pass
 //   task_slot(p, task)                            the task's tile and K steps
-//   wait_for_inputs(p, task)                      feeder: acquire what the task reads
+//   wait_for_inputs(p, slot)                      feeder: acquire what the task (slot.task, its tile
+//                                                 as task_slot found it) reads
 //   produce_task(p, slot, ss, st)                 producer: the task's TMA loads (produce_tile<Kind>)
 //   seed_task(p, slot, ctx, acc)                  consumers: the accumulators' start
 //   prepare_epilogue(p, slot, ctx)                consumers, before the K loop: what the epilogue needs
@@ -171,7 +172,7 @@ __device__ inline void task_feeder(const P& p, const TaskList& list, gemm::Share
       const Task t = list.at(static_cast<int>(i));
       slot = task_slot(p, t);
       MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitBegin);)
-      wait_for_inputs(p, t);
+      wait_for_inputs(p, slot);
       MOK_FWD_TRACE(trace::task_stamp(p.trace, trace_cta, j, trace::kTaskWaitEnd);
                     trace::task_desc(p.trace, trace_cta, j, static_cast<int>(t.kind), t.minibatch, t.n_tile,
                                      t.row_tile, slot.tile.real_rows);)
