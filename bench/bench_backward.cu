@@ -20,6 +20,9 @@
 //   cublas_dense_tflops  one cuBLAS bf16 GEMM of the backward's FLOPs ([2M, 3I] x [3I, H])
 //   context_bytes, workspace_bytes  Context::bytes, Workspace::device_bytes
 // useful TFLOP/s = 2 x the forward's useful FLOPs per rank / time (recompute not counted).
+// staged, fused, fused with the weight gradients after, GEMMs alone and unfused are timed
+// interleaved in one loop (bench::time_interleaved_ms), so every ratio between them is taken at
+// the same clock; their bits are checked after it, untimed, on a NaN-poisoned dx.
 // Steady state and medians as bench_forward (bench_timing.hpp); the slowest rank's median is
 // reported. Bitwise: the unfused baseline's dx equals the staged backward's (same GEMM tiles,
 // same sum); dx_hash (FNV-1a 64 of mok::backward's dx) compares builds.
@@ -172,7 +175,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   megakernel::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
   const ExpertWeights w = L.weights();
   const size_t TH = size_t(s.tokens) * s.hidden, TK = size_t(s.tokens) * s.topk;
-  comm::DeviceBuffer<bf16> dy(TH), dx(TH), dx_ref(TH);
+  comm::DeviceBuffer<bf16> dy(TH), dx(TH);
   comm::DeviceBuffer<float> dtopk(TK);
   megakernel::fill_random_bf16(dy.get(), TH, 11 + lr.rank, 1e-2f, st);
   const size_t routed = size_t(s.local_experts()) * s.intermediate * s.hidden, shared = size_t(s.shared_intermediate) * s.hidden;
@@ -190,58 +193,86 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   forward(*ws, L.args(), w, st);
   backward(*ws, bargs, w, grads, st);
   ws->check();
-  MOK_CUDA_CHECK(cudaMemcpyAsync(dx_ref.get(), dx.get(), dx.bytes(), cudaMemcpyDeviceToDevice, st));
   res.dx_hash = fnv1a64(dx.get(), dx.bytes(), st);
 
   megakernel::StagedBackwardOptions so;
   so.comm_ctas = cfg.effective_comm_sms_backward(s, comm::device_sms());  // as mok::backward picks it
   so.timeout_s = cfg.wait_timeout_s;
   const megakernel::SavedContext& saved = impl.own_context->impl().saved;
-  res.staged_ms = time_ms(o, sync, st, [&] {
-    megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, so, st);
-  });
-  ws->check();
-  comm::DeviceBuffer<bf16> dx_staged(TH);  // the staged dx, against the fused one below
-  MOK_CUDA_CHECK(cudaMemcpyAsync(dx_staged.get(), dx.get(), dx.bytes(), cudaMemcpyDeviceToDevice, st));
   megakernel::FusedBackwardOptions fo;  // as mok::backward picks them
   fo.comm_ctas = o.fused_comm > 0 ? o.fused_comm : cfg.effective_comm_sms_fused_backward(s, comm::device_sms());
   fo.timeout_s = cfg.wait_timeout_s;
   fo.prologue_ctas = so.comm_ctas;
-  fo.wgrad_in_kernel = impl.fused_wgrad_in_kernel;
-  res.wgrad_in_kernel = fo.wgrad_in_kernel;
+  fo.wgrad_in_kernel = true;
+  megakernel::FusedBackwardOptions after = fo;  // the weight gradients as launches after the kernel
+  after.wgrad_in_kernel = false;
+  res.wgrad_in_kernel = impl.fused_wgrad_in_kernel;
   res.fused_comm = fo.comm_ctas;
   res.fused_default = impl.backward_path == megakernel::BackwardPath::kFused;
-  res.fused_ms = time_ms(o, sync, st, [&] {
-    megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
+  Unfused base = [&] {  // index maps from the forward's schedule (computed once: favoured)
+    comm::ScheduleHeader h{};
+    MOK_CUDA_CHECK(cudaMemcpy(&h, saved.schedule.header, sizeof(h), cudaMemcpyDeviceToHost));
+    std::vector<comm::RowEntry> rows(h.padded_rows);
+    MOK_CUDA_CHECK(cudaMemcpy(rows.data(), saved.schedule.rows, rows.size() * sizeof(comm::RowEntry),
+                              cudaMemcpyDeviceToHost));
+    return Unfused(s, lr.rank, routing, rows);
+  }();
+  // The forms of the backward compared by the ratios, timed interleaved (time_interleaved_ms):
+  // one after the other in separate loops, the second of two fused timings read 1.5-2.5 ms off at
+  // dsv3 / gptoss whichever it was (2026-12-04, bench/results/...-in-kernel-0d27ac6.txt). Each
+  // is a whole backward on the same context (the GEMMs alone read the rows the one before it left;
+  // the unfused baseline the x rows and row weights).
+  enum Form { kStaged, kFused, kFusedAfter, kGemms, kUnfused, kForms };
+  const std::vector<double> ms = bench::time_interleaved_ms(o, sync, st, kForms, [&](int j) {
+    switch (j) {
+      case kStaged:
+        megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, so, st);
+        break;
+      case kFused:
+        megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
+        break;
+      case kFusedAfter:
+        megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, after, st);
+        break;
+      case kGemms:
+        megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads,
+                                   megakernel::StagedBackwardOptions{}, false, st);
+        break;
+      default:
+        base.run(*ws, bargs, w, grads, lr.comm, st);
+    }
   });
   ws->check();
-  res.fused_vs_staged = megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
-  {
-    megakernel::FusedBackwardOptions after = fo;
-    after.wgrad_in_kernel = !fo.wgrad_in_kernel;  // the other placement of the weight gradients
-    const double ms = time_ms(o, sync, st, [&] {
-      megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, after, st);
-    });
+  res.staged_ms = ms[kStaged];
+  res.fused_ms = ms[kFused];
+  res.fused_after_ms = ms[kFusedAfter];
+  res.gemms_ms = ms[kGemms];
+  res.unfused_ms = ms[kUnfused];
+  // Bits, untimed: each form's dx against the staged one (poisoned in between).
+  comm::DeviceBuffer<bf16> dx_staged(TH);
+  megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, so, st);
+  ws->check();
+  MOK_CUDA_CHECK(cudaMemcpyAsync(dx_staged.get(), dx.get(), dx.bytes(), cudaMemcpyDeviceToDevice, st));
+  auto mismatches = [&](auto run_form) {
+    MOK_CUDA_CHECK(cudaMemsetAsync(dx.get(), 0xff, dx.bytes(), st));  // NaN
+    run_form();
     ws->check();
-    if (megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st) != 0) res.fused_vs_staged = 1;
-    if (fo.wgrad_in_kernel) {
-      res.fused_after_ms = ms;
-    } else {
-      res.fused_after_ms = res.fused_ms;
-      res.fused_ms = ms;
-    }
-  }
-  if (!o.trace.empty()) {  // (a -DMOK_FORWARD_TRACE build: main refuses --trace otherwise)
-    sync.arrive_and_wait();
+    return megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
+  };
+  res.fused_vs_staged = mismatches([&] {
     megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
+  });
+  res.fused_vs_staged += mismatches([&] {
+    megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, after, st);
+  });
+  res.unfused_vs_staged = mismatches([&] { base.run(*ws, bargs, w, grads, lr.comm, st); });
+  if (!o.trace.empty()) {  // (a -DMOK_FORWARD_TRACE build: main refuses --trace otherwise)
+    megakernel::FusedBackwardOptions traced = impl.fused_wgrad_in_kernel ? fo : after;
+    sync.arrive_and_wait();
+    megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, traced, st);
     ws->check();
     megakernel::forward_trace_dump(o.trace + "-" + name + "-r" + std::to_string(lr.rank) + ".bin");
   }
-  res.gemms_ms = time_ms(o, sync, st, [&] {
-    megakernel::backward_gemms(*impl.state, *impl.forward, *impl.backward, saved, w, grads, megakernel::StagedBackwardOptions{},
-                               false, st);
-  });
-  ws->check();
   if (!o.probe.empty()) {
     using namespace megakernel;
     const unsigned dgrad = kRoutedDh | kRoutedDx | (s.has_shared() ? kSharedDh | kSharedDx : 0u);
@@ -298,17 +329,6 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     backward(*ws, bargs, w, grads, st);
   });
   ws->check();
-  {  // the unfused baseline, after a staged backward left the x rows and row weights in place
-    comm::ScheduleHeader h{};
-    MOK_CUDA_CHECK(cudaMemcpy(&h, saved.schedule.header, sizeof(h), cudaMemcpyDeviceToHost));
-    std::vector<comm::RowEntry> rows(h.padded_rows);
-    MOK_CUDA_CHECK(cudaMemcpy(rows.data(), saved.schedule.rows, rows.size() * sizeof(comm::RowEntry),
-                              cudaMemcpyDeviceToHost));
-    Unfused base(s, lr.rank, routing, rows);
-    res.unfused_ms = time_ms(o, sync, st, [&] { base.run(*ws, bargs, w, grads, lr.comm, st); });
-    ws->check();
-    res.unfused_vs_staged = megakernel::count_mismatches(dx_ref.get(), dx.get(), dx.size(), st);
-  }
   {  // cuBLAS dense GEMM of (about) the backward's FLOPs
     const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, 2.0 * megakernel::forward_flops(s));
     res.cublas_ms = d.ms;
