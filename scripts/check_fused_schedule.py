@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Model check of the fused forward's waits: no schedule of the CTAs can deadlock (CPU test).
+"""Model check of the fused kernels' waits: no schedule of the CTAs can deadlock (CPU test).
 
 The fused kernel's argument (docs/megakernel.md, "Task list", "The macrobatch ring"): GEMM tasks
 go out in list order (task_list.cuh), each CTA runs the tasks it took in that order, and every
@@ -21,6 +21,21 @@ random interleavings and fails if some state has unfinished work but nothing tha
 
 The negative control (a ring of one minibatch, which Config::validate refuses) must deadlock
 in some layer: the model can fail.
+
+The fused backward (fused_backward.cu) runs on the same task list and roles, with its own waits
+and a second phase of weight-gradient tasks after every dgrad task (backward_wgrad.cuh):
+
+  tasks           S1 (shared dh, no wait), S2 (shared dx: its S1 row tile), G1 (routed dh: its
+                  minibatch's dy rows pulled), G2 (routed dx: its G1 row tile), then WS (the
+                  shared weight gradients: every S1 row tile) and W (an expert's weight
+                  gradients: the pulls of its minibatches and every G1 row tile of its rows;
+                  none for an expert without rows)
+  comm CTAs       pull their dy row tiles (no wait); the first `combine` of them then push each
+                  of their row tiles' dx (its G2 complete) and d topk_w (its G1 complete) and
+                  meet at a barrier, never joining; the others join the GEMM work
+
+Its negative control puts the weight-gradient tasks first in the list: then GEMM CTAs can all
+hold W tasks whose G1 tiles nobody took, and some layer must deadlock.
 
 usage: scripts/check_fused_schedule.py [--cases N] [--seed S]
 """
@@ -131,6 +146,122 @@ def simulate(p, rng):
             done[(kind, tile)] = done.get((kind, tile), 0) + 1
 
 
+def simulate_backward(p, rng, wgrad_first=False):
+    """The fused backward's waits (module docstring). True when everything finished."""
+    expert_tiles, tpm, C = p["expert_tiles"], p["tpm"], p["comm"]
+    tiles = sum(expert_tiles)
+    first = [sum(expert_tiles[:e]) for e in range(len(expert_tiles))]
+    dgrad = task_list(p["shared"], p["sn1"], p["n1"], p["n2"], tiles, tpm, rng)
+    wgrad = [("WS", 0, w) for w in range(p["ws"] if p["shared"] else 0)]
+    wgrad += [("W", e, w) for e in range(len(expert_tiles)) for w in range(p["w_per_expert"])]
+    tasks = wgrad + dgrad if wgrad_first else dgrad + wgrad
+    done = {}
+    need = {"S1": p["sn1"], "S2": p["n2"], "G1": p["n1"], "G2": p["n2"], "WS": 1, "W": 1}
+    pulled = set()
+    combine = min(p["combine"], C)
+    pull_seq = [list(range(c, tiles, C)) for c in range(C)]
+    push_seq = [list(range(c, tiles, combine)) if c < combine else [] for c in range(C)]
+    # per comm CTA: phase 0 pull, 1 dx push, 2 d topk_w push, 3 at the barrier, 4 done (or joined)
+    phase, pos = [0] * C, [0] * C
+    ctas = [[] for _ in range(p["gemm"])]
+    next_task = 0
+
+    def complete(kind, tile):
+        return done.get((kind, tile), 0) == need[kind]
+
+    def minibatch_pulled(m):
+        return all(r in pulled for r in range(m * tpm, min((m + 1) * tpm, tiles)))
+
+    def inputs_ready(t):
+        kind, tile, _ = t
+        if kind == "S1":
+            return True
+        if kind == "S2":
+            return complete("S1", tile)
+        if kind == "G1":
+            return minibatch_pulled(tile // tpm)
+        if kind == "G2":
+            return complete("G1", tile)
+        if kind == "WS":
+            return all(complete("S1", r) for r in range(p["shared"]))
+        rows = range(first[tile], first[tile] + expert_tiles[tile])  # W: tile = the expert
+        return all(minibatch_pulled(r // tpm) and complete("G1", r) for r in rows)
+
+    while True:
+        moves = []
+        for c in range(C):
+            if phase[c] == 0:
+                moves.append(("pull", c))
+            elif phase[c] in (1, 2):
+                if pos[c] == len(push_seq[c]):
+                    moves.append(("next", c))
+                elif complete("G2" if phase[c] == 1 else "G1", push_seq[c][pos[c]]):
+                    moves.append(("push", c))
+            elif phase[c] == 3 and all(phase[k] >= 3 for k in range(combine)):
+                moves.append(("next", c))
+        for i, fifo in enumerate(ctas):
+            if len(fifo) < DEPTH and next_task < len(tasks):
+                moves.append(("take", i))
+            if fifo:
+                if fifo[0][1]:
+                    moves.append(("finish", i))
+                elif inputs_ready(fifo[0][0]):
+                    moves.append(("start", i))
+        if not moves:
+            return next_task == len(tasks) and all(not f for f in ctas) and all(ph == 4 for ph in phase)
+        what, i = rng.choice(moves)
+        if what == "pull":
+            if pos[i] < len(pull_seq[i]):
+                pulled.add(pull_seq[i][pos[i]])
+                pos[i] += 1
+            else:
+                pos[i] = 0
+                if i < combine:
+                    phase[i] = 1
+                else:
+                    phase[i] = 4
+                    ctas.append([])  # joins the GEMM work
+        elif what == "push":
+            pos[i] += 1
+        elif what == "next":
+            pos[i] = 0
+            phase[i] += 1
+        elif what == "take":
+            ctas[i].append([tasks[next_task], False])
+            next_task += 1
+        elif what == "start":
+            ctas[i][0][1] = True
+        else:
+            kind, tile, _ = ctas[i].pop(0)[0]
+            done[(kind, tile)] = done.get((kind, tile), 0) + 1
+
+
+def random_backward_layer(rng):
+    experts = rng.randint(1, 5)
+    comm = rng.randint(1, 4)
+    return {
+        "expert_tiles": [rng.choice([0, 1, 1, 2, 3]) for _ in range(experts)], "tpm": rng.randint(1, 3),
+        "shared": rng.choice([0, 0, 1, 2]), "sn1": rng.randint(1, 2), "n1": rng.randint(1, 3),
+        "n2": rng.randint(1, 3), "gemm": rng.randint(1, 4), "comm": comm,
+        "combine": rng.choice([0, comm]),  # EP 1: none push; EP >= 2: all of them
+        "ws": rng.randint(1, 3), "w_per_expert": rng.randint(1, 3),
+    }
+
+
+def check_backward(cases, rng):
+    for i in range(cases):
+        p = random_backward_layer(rng)
+        for _ in range(4):
+            if not simulate_backward(p, rng):
+                sys.exit(f"check_fused_schedule: backward DEADLOCK in case {i}: {p}")
+    for i in range(cases):
+        p = random_backward_layer(rng)
+        if any(not simulate_backward(p, rng, wgrad_first=True) for _ in range(4)):
+            return p
+    sys.exit("check_fused_schedule: the backward's negative control (weight-gradient tasks first) never "
+             "deadlocked: the model cannot fail")
+
+
 def random_layer(rng, ring_mb_choices):
     tpm = rng.randint(1, 3)
     return {
@@ -165,6 +296,9 @@ def main():
                  "the model cannot fail")
     print(f"check_fused_schedule: {a.cases} layers x 4 schedules without a deadlock "
           f"(rings of 0, 2, 3, 4 minibatches); the ring of one minibatch deadlocks, e.g. {found}")
+    found_bwd = check_backward(a.cases, rng)
+    print(f"check_fused_schedule: backward: {a.cases} layers x 4 schedules without a deadlock (EP 1 and "
+          f"EP >= 2 comm roles); with the weight-gradient tasks first it deadlocks, e.g. {found_bwd}")
 
 
 if __name__ == "__main__":
