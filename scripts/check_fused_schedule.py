@@ -62,12 +62,55 @@ def task_list(shared_tiles, sn1, n1, n2, tiles, tpm, rng):
     return out
 
 
+class GemmCtas:
+    """The GEMM CTAs of a model: each takes the next task of the list while its pipeline (DEPTH
+    tasks) has room, starts the oldest once its inputs exist and finishes it at some later step."""
+
+    def __init__(self, tasks, n, need):
+        self.tasks, self.need = tasks, need
+        self.fifos = [[] for _ in range(n)]  # each: FIFO of [task, started]
+        self.next = 0
+        self.done = {}  # (kind, tile) -> finished column blocks
+
+    def complete(self, kind, tile):
+        return self.done.get((kind, tile), 0) == self.need[kind]
+
+    def join(self):  # a comm CTA done with its own work takes GEMM tasks from now on
+        self.fifos.append([])
+
+    def moves(self, inputs_ready):
+        out = []
+        for i, fifo in enumerate(self.fifos):
+            if len(fifo) < DEPTH and self.next < len(self.tasks):
+                out.append(("take", i))
+            if fifo:
+                if fifo[0][1]:
+                    out.append(("finish", i))
+                elif inputs_ready(fifo[0][0]):
+                    out.append(("start", i))
+        return out
+
+    def apply(self, what, i):
+        fifo = self.fifos[i]
+        if what == "take":
+            fifo.append([self.tasks[self.next], False])
+            self.next += 1
+        elif what == "start":
+            fifo[0][1] = True
+        else:
+            kind, tile, _ = fifo.pop(0)[0]
+            self.done[(kind, tile)] = self.done.get((kind, tile), 0) + 1
+
+    def idle(self):  # every task taken and finished
+        return self.next == len(self.tasks) and all(not f for f in self.fifos)
+
+
 def simulate(p, rng):
     """True when every task finished; False on a deadlock."""
     tiles, tpm, ring_tiles = p["tiles"], p["tpm"], p["ring_mb"] * p["tpm"]
     tasks = task_list(p["shared"], p["sn1"], p["n1"], p["n2"], tiles, tpm, rng)
-    done = {}  # (kind, tile) -> finished column blocks
-    need = {"S1": p["sn1"], "S2": p["n2"], "G1": p["n1"], "G2": p["n2"]}
+    gemm = GemmCtas(tasks, p["gemm"], {"S1": p["sn1"], "S2": p["n2"], "G1": p["n1"], "G2": p["n2"]})
+    complete = gemm.complete
     dispatched = set()
     C = p["comm"]
     ring_ctas = min(p["ring_ctas"] or C, C)  # comm::dispatch_tiles: 0 or >= the CTAs: all of them
@@ -83,11 +126,6 @@ def simulate(p, rng):
     comm_pos = [0] * C
     counting = bool(p.get("count"))  # comm CTA 0 counts the pushed rows (G2 tiles in order), never joins
     count_pos = 0
-    ctas = [[] for _ in range(p["gemm"])]  # each: FIFO of [task, running]
-    next_task = 0
-
-    def complete(kind, tile):
-        return done.get((kind, tile), 0) == need[kind]
 
     def inputs_ready(t):
         kind, tile, _ = t
@@ -114,17 +152,9 @@ def simulate(p, rng):
                     moves.append(("count", c))
             elif comm_pos[c] == len(comm_seq[c]) and not (c == 0 and counting):
                 moves.append(("join", c))
-        for i, fifo in enumerate(ctas):
-            if len(fifo) < DEPTH and next_task < len(tasks):
-                moves.append(("take", i))
-            if fifo:
-                head = fifo[0]
-                if head[1]:
-                    moves.append(("finish", i))
-                elif inputs_ready(head[0]):
-                    moves.append(("start", i))
+        moves += gemm.moves(inputs_ready)
         if not moves:
-            return next_task == len(tasks) and all(not f for f in ctas) and all(
+            return gemm.idle() and all(
                 comm_pos[c] > len(comm_seq[c]) or (c == 0 and counting) for c in range(C)) and (
                 not counting or count_pos == tiles)
         what, i = rng.choice(moves)
@@ -135,15 +165,9 @@ def simulate(p, rng):
             count_pos += 1
         elif what == "join":
             comm_pos[i] += 1
-            ctas.append([])
-        elif what == "take":
-            ctas[i].append([tasks[next_task], False])
-            next_task += 1
-        elif what == "start":
-            ctas[i][0][1] = True
+            gemm.join()
         else:
-            kind, tile, _ = ctas[i].pop(0)[0]
-            done[(kind, tile)] = done.get((kind, tile), 0) + 1
+            gemm.apply(what, i)
 
 
 def simulate_backward(p, rng, wgrad_first=False):
@@ -155,19 +179,14 @@ def simulate_backward(p, rng, wgrad_first=False):
     wgrad = [("WS", 0, w) for w in range(p["ws"] if p["shared"] else 0)]
     wgrad += [("W", e, w) for e in range(len(expert_tiles)) for w in range(p["w_per_expert"])]
     tasks = wgrad + dgrad if wgrad_first else dgrad + wgrad
-    done = {}
-    need = {"S1": p["sn1"], "S2": p["n2"], "G1": p["n1"], "G2": p["n2"], "WS": 1, "W": 1}
+    gemm = GemmCtas(tasks, p["gemm"], {"S1": p["sn1"], "S2": p["n2"], "G1": p["n1"], "G2": p["n2"], "WS": 1, "W": 1})
+    complete = gemm.complete
     pulled = set()
     combine = min(p["combine"], C)
     pull_seq = [list(range(c, tiles, C)) for c in range(C)]
     push_seq = [list(range(c, tiles, combine)) if c < combine else [] for c in range(C)]
     # per comm CTA: phase 0 pull, 1 dx push, 2 d topk_w push, 3 at the barrier, 4 done (or joined)
     phase, pos = [0] * C, [0] * C
-    ctas = [[] for _ in range(p["gemm"])]
-    next_task = 0
-
-    def complete(kind, tile):
-        return done.get((kind, tile), 0) == need[kind]
 
     def minibatch_pulled(m):
         return all(r in pulled for r in range(m * tpm, min((m + 1) * tpm, tiles)))
@@ -199,16 +218,9 @@ def simulate_backward(p, rng, wgrad_first=False):
                     moves.append(("push", c))
             elif phase[c] == 3 and all(phase[k] >= 3 for k in range(combine)):
                 moves.append(("next", c))
-        for i, fifo in enumerate(ctas):
-            if len(fifo) < DEPTH and next_task < len(tasks):
-                moves.append(("take", i))
-            if fifo:
-                if fifo[0][1]:
-                    moves.append(("finish", i))
-                elif inputs_ready(fifo[0][0]):
-                    moves.append(("start", i))
+        moves += gemm.moves(inputs_ready)
         if not moves:
-            return next_task == len(tasks) and all(not f for f in ctas) and all(ph == 4 for ph in phase)
+            return gemm.idle() and all(ph == 4 for ph in phase)
         what, i = rng.choice(moves)
         if what == "pull":
             if pos[i] < len(pull_seq[i]):
@@ -220,20 +232,14 @@ def simulate_backward(p, rng, wgrad_first=False):
                     phase[i] = 1
                 else:
                     phase[i] = 4
-                    ctas.append([])  # joins the GEMM work
+                    gemm.join()
         elif what == "push":
             pos[i] += 1
         elif what == "next":
             pos[i] = 0
             phase[i] += 1
-        elif what == "take":
-            ctas[i].append([tasks[next_task], False])
-            next_task += 1
-        elif what == "start":
-            ctas[i][0][1] = True
         else:
-            kind, tile, _ = ctas[i].pop(0)[0]
-            done[(kind, tile)] = done.get((kind, tile), 0) + 1
+            gemm.apply(what, i)
 
 
 def random_backward_layer(rng):
