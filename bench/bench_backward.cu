@@ -178,11 +178,12 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   comm::DeviceBuffer<bf16> dy(TH), dx(TH);
   comm::DeviceBuffer<float> dtopk(TK);
   megakernel::fill_random_bf16(dy.get(), TH, 11 + lr.rank, 1e-2f, st);
-  // The gradient buffers: fp32 main grads, or bf16 (half the floats) with --grad-mode bf16, so that
-  // dsv3 at EP 1 (11.3 G routed parameters) fits a 80 GB card in bf16 mode.
-  const size_t per_float = o.mode == GradMode::kWriteBf16 ? 2 : 1;
-  const size_t routed = (size_t(s.local_experts()) * s.intermediate * s.hidden + per_float - 1) / per_float,
-               shared = (size_t(s.shared_intermediate) * s.hidden + per_float - 1) / per_float;
+  // The gradient buffers, in floats: fp32 main grads, or bf16 (2 bytes an element) with --grad-mode
+  // bf16, so that dsv3 at EP 1 (11.3 G routed parameters) fits an 80 GB card in bf16 mode.
+  const size_t el = o.mode == GradMode::kWriteBf16 ? 2 : 4;
+  auto floats = [&](size_t elements) { return (elements * el + sizeof(float) - 1) / sizeof(float); };
+  const size_t routed = floats(size_t(s.local_experts()) * s.intermediate * s.hidden),
+               shared = floats(size_t(s.shared_intermediate) * s.hidden);
   comm::DeviceBuffer<float> gg(routed), gu(routed), gd(routed), sg(shared), su(shared), sd(shared);
   for (auto* b : {&gg, &gu, &gd, &sg, &su, &sd}) {
     if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), st));
