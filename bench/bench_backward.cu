@@ -1,10 +1,10 @@
 // bench_backward: mok's backward pass per rank on every local GPU (EP = the GPUs used, one
-// thread per GPU) for the DESIGN §8 shapes, side by side in one run:
-//   bwd_ms               the backward mok::backward runs (bwd_path: MOK_BACKWARD_PATH, default staged)
+// thread per GPU) for the model shapes dsv3, qwen3, gptoss (mok::dsv3_shape, ...), side by side in one run:
+//   bwd_ms               the backward mok::backward runs (bwd_path: Config::backward_engine's default for --grad-mode)
 //   bwd_fused_ms         the fused backward (its dgrad chain, the dy / dx / d topk_w traffic and the
 //                        weight gradients as one persistent kernel, fused_backward.hpp)
 //   bwd_fused_wgrad_after_ms  the same with the weight gradients as launches after the kernel
-//                        (FusedBackwardOptions::wgrad_in_kernel false, MOK_FUSED_WGRAD=after)
+//                        (FusedBackwardOptions::wgrad_in_kernel false)
 //   bwd_staged_ms        the staged backward (the fused backward's oracle: the steps as separate
 //                        launches); f==s: the fused dx equals the staged one bit for bit
 //   bwd_gemms_alone_ms   only the backward's grouped GEMMs (shared + routed dh + SwiGLU backward,
@@ -54,7 +54,7 @@
 #include "bench_unfused.cuh"
 #include "comm/cuda_check.hpp"
 #include "host/workspace_impl.hpp"
-#include "megakernel/bench_support.hpp"
+#include "support/bench_support.hpp"
 #include "megakernel/fused_backward.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_backward.hpp"
@@ -172,12 +172,12 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   Workspace::Impl& impl = ws->impl();
   cudaStream_t st;
   MOK_CUDA_CHECK(cudaStreamCreate(&st));
-  megakernel::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
+  bench::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
   const ExpertWeights w = L.weights();
   const size_t TH = size_t(s.tokens) * s.hidden, TK = size_t(s.tokens) * s.topk;
   comm::DeviceBuffer<bf16> dy(TH), dx(TH);
   comm::DeviceBuffer<float> dtopk(TK);
-  megakernel::fill_random_bf16(dy.get(), TH, 11 + lr.rank, 1e-2f, st);
+  bench::fill_random_bf16(dy.get(), TH, 11 + lr.rank, 1e-2f, st);
   // The gradient buffers, in floats: fp32 main grads, or bf16 (2 bytes an element) with --grad-mode
   // bf16, so that dsv3 at EP 1 (11.3 G routed parameters) fits an 80 GB card in bf16 mode.
   const size_t el = o.mode == GradMode::kWriteBf16 ? 2 : 4;
@@ -213,7 +213,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   after.wgrad_in_kernel = false;
   res.wgrad_in_kernel = impl.fused_wgrad_in_kernel;
   res.fused_comm = fo.comm_ctas;
-  res.fused_default = impl.backward_path == megakernel::BackwardPath::kFused;
+  res.fused_default = cfg.effective_backward_engine(o.mode == GradMode::kAccumulateFp32) == BackwardEngine::kFused;
   Unfused base = [&] {  // index maps from the forward's schedule (computed once: favoured)
     comm::ScheduleHeader h{};
     MOK_CUDA_CHECK(cudaMemcpy(&h, saved.schedule.header, sizeof(h), cudaMemcpyDeviceToHost));
@@ -262,7 +262,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     MOK_CUDA_CHECK(cudaMemsetAsync(dx.get(), 0xff, dx.bytes(), st));  // NaN
     run_form();
     ws->check();
-    return megakernel::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
+    return bench::count_mismatches(dx_staged.get(), dx.get(), dx.size(), st);
   };
   res.fused_vs_staged = mismatches([&] {
     megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, saved, bargs, w, grads, fo, st);
@@ -335,7 +335,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   });
   ws->check();
   {  // cuBLAS dense GEMM of (about) the backward's FLOPs
-    const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, 2.0 * megakernel::forward_flops(s));
+    const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, 2.0 * s.forward_flops());
     res.cublas_ms = d.ms;
     res.cublas_flops = d.flops;
   }
@@ -375,8 +375,8 @@ int main(int argc, char** argv) {
   std::vector<LayerShape> shapes;
   std::vector<std::vector<std::vector<int32_t>>> routings;
   for (const auto& name : o.shapes) {
-    shapes.push_back(megakernel::bench_shape(name, ep, o.tokens));
-    routings.push_back(megakernel::uniform_routing(shapes.back(), 2026));
+    shapes.push_back(bench::bench_shape(name, ep, o.tokens));
+    routings.push_back(bench::uniform_routing(shapes.back(), 2026));
   }
   std::vector<std::vector<RankResult>> res(shapes.size(), std::vector<RankResult>(ep));
   std::barrier<> sync(ep);
@@ -398,7 +398,7 @@ int main(int argc, char** argv) {
       for (const auto& r : res[i]) m = std::max(m, get(r));
       return m;
     };
-    const double flops = 2.0 * megakernel::forward_flops(s);
+    const double flops = 2.0 * s.forward_flops();
     const double fused = worst([](const RankResult& r) { return r.fused_ms; });
     const double staged = worst([](const RankResult& r) { return r.staged_ms; });
     const double fused_after = worst([](const RankResult& r) { return r.fused_after_ms; });

@@ -50,7 +50,7 @@
 #include "comm/roles.cuh"
 #include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
-#include "megakernel/bench_support.hpp"
+#include "support/bench_support.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
 
@@ -527,7 +527,7 @@ int main(int argc, char** argv) {
   const LayerShape shape = dsv3_shape(ep, o.tokens);
   Config cfg;  // capacity 2.0 (min(capacity, ep) x T*K rows per rank)
   cfg.wait_timeout_s = 2.0;  // a broken variant stops the sweep in seconds
-  const auto routing = megakernel::uniform_routing(shape, 2026);
+  const auto routing = bench::uniform_routing(shape, 2026);
   std::vector<std::vector<int64_t>> pair_rows(ep, std::vector<int64_t>(ep, 0));  // [src][dst]
   std::vector<std::vector<int64_t>> pair_tokens(ep, std::vector<int64_t>(ep, 0));  // distinct tokens [src][dst]
   std::vector<char> to(ep);  // ranks token t of rank s goes to

@@ -14,7 +14,7 @@
 #include "bench_timing.hpp"
 #include "comm/cuda_check.hpp"
 #include "comm/device_buffer.hpp"
-#include "megakernel/bench_support.hpp"
+#include "support/bench_support.hpp"
 #include "mok/error.hpp"
 #include "mok/shape.hpp"
 
@@ -59,8 +59,8 @@ DenseTiming cublas_dense(const Options& o, std::barrier<>& sync, cudaStream_t st
   const int64_t N = s.hidden, K = 3 * s.intermediate;
   const int64_t M = (static_cast<int64_t>(flops / (2.0 * N * K)) + 127) / 128 * 128;
   comm::DeviceBuffer<bf16> A(M * K), B(N * K), C(M * N);
-  megakernel::fill_random_bf16(A.get(), A.size(), 91, 1.0f, st);
-  megakernel::fill_random_bf16(B.get(), B.size(), 92, 0.02f, st);
+  bench::fill_random_bf16(A.get(), A.size(), 91, 1.0f, st);
+  bench::fill_random_bf16(B.get(), B.size(), 92, 0.02f, st);
   cublasHandle_t blas;
   CUBLAS_OK(cublasCreate(&blas));
   CUBLAS_OK(cublasSetStream(blas, st));

@@ -1,5 +1,5 @@
 // bench_forward: mok's forward pass per rank on every local GPU (EP = the GPUs used, one
-// thread per GPU, launch mode (a)) for the DESIGN §8 shapes, side by side in one run:
+// thread per GPU, launch mode (a)) for the model shapes dsv3, qwen3, gptoss (mok::dsv3_shape, ...), side by side in one run:
 //   fwd_ms               schedule + fused forward (one persistent kernel), best comm-CTA count of the sweep
 //   staged_fwd_ms        schedule + the staged forward (the same steps as separate launches)
 //   gemms_alone_ms       only the forward's grouped GEMMs (shared + routed), every SM, no communication
@@ -55,7 +55,7 @@
 #include "bench_unfused.cuh"
 #include "comm/cuda_check.hpp"
 #include "host/workspace_impl.hpp"
-#include "megakernel/bench_support.hpp"
+#include "support/bench_support.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_forward.hpp"
 #include "mok/api.hpp"
@@ -135,7 +135,7 @@ Options parse(int argc, char** argv) {
 struct Baseline : bench::UnfusedMaps {
   using UnfusedMaps::UnfusedMaps;
 
-  void run(Workspace& ws, const megakernel::RandomLayer& L, ncclComm_t comm, cudaStream_t st) {
+  void run(Workspace& ws, const bench::RandomLayer& L, ncclComm_t comm, cudaStream_t st) {
     Workspace::Impl& impl = ws.impl();
     comm::CommState& state = *impl.state;
     megakernel::ForwardBuffers& b = *impl.forward;
@@ -187,7 +187,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
   megakernel::ForwardBuffers& buf = *impl.forward;
   cudaStream_t st;
   MOK_CUDA_CHECK(cudaStreamCreate(&st));
-  megakernel::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
+  bench::RandomLayer L(s, lr.rank, routing[lr.rank], 7);
   const ExpertWeights w = L.weights();
   const ForwardArgs args = L.args();
   comm::DeviceBuffer<bf16> y_ref(s.tokens * s.hidden);
@@ -290,7 +290,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
       sync.arrive_and_wait();
       pass(on[j], fos[j]);
       ws_of(on[j]).check();
-      res.variants_vs_fused += megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+      res.variants_vs_fused += bench::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
     }
     // One more pass of the default and of each variant, right after the timed ones (steady state).
     for (size_t j = 0; j < on.size() && !o.trace.empty(); ++j) {
@@ -310,7 +310,7 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     megakernel::staged_forward(state, buf, args, w, so, impl.own_context->impl().saved, st);
   });
   ws->check();
-  res.fused_vs_staged = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+  res.fused_vs_staged = bench::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
   res.gemms_ms = time_ms(o, sync, st, [&] { megakernel::forward_gemms_only(state, buf, w, so, impl.own_context->impl().saved, st); });
   ws->check();
 
@@ -327,11 +327,11 @@ RankResult run_shape(const Options& o, const std::string& name, const LayerShape
     }
     res.baseline_ms = time_ms(o, sync, st, [&] { base.run(*ws, L, lr.comm, st); });
     ws->check();
-    res.baseline_vs_fused = megakernel::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
+    res.baseline_vs_fused = bench::count_mismatches(y_ref.get(), args.y, y_ref.size(), st);
   }
 
   {  // cuBLAS dense GEMM of (about) the same FLOPs
-    const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, megakernel::forward_flops(s));
+    const bench::DenseTiming d = bench::cublas_dense(o, sync, st, s, s.forward_flops());
     res.cublas_ms = d.ms;
     res.cublas_flops = d.flops;
   }
@@ -360,8 +360,8 @@ int main(int argc, char** argv) {
   std::vector<LayerShape> shapes;
   std::vector<std::vector<std::vector<int32_t>>> routings;
   for (const auto& name : o.shapes) {
-    shapes.push_back(megakernel::bench_shape(name, ep, o.tokens));
-    routings.push_back(megakernel::uniform_routing(shapes.back(), 2026));
+    shapes.push_back(bench::bench_shape(name, ep, o.tokens));
+    routings.push_back(bench::uniform_routing(shapes.back(), 2026));
   }
   std::vector<std::vector<RankResult>> res(shapes.size(), std::vector<RankResult>(ep));
   std::barrier<> sync(ep);
@@ -438,7 +438,7 @@ int main(int argc, char** argv) {
     line(o.join_variant, "comm CTAs taking GEMM tasks (join_gemm " + std::to_string(o.join) + ")", best_join);
     line(o.push, "GEMM 2's epilogues pushing the combine's rows", best_push);
     std::printf("%-7s y_hash %s\n", o.shapes[i].c_str(), hash);
-    const double flops = megakernel::forward_flops(s);
+    const double flops = s.forward_flops();
     const double staged = worst([](const RankResult& r) { return r.staged_ms; });
     const double gemms = worst([](const RankResult& r) { return r.gemms_ms; });
     const double base = worst([](const RankResult& r) { return r.baseline_ms; });

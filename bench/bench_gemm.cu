@@ -1,4 +1,4 @@
-// Benchmark of the grouped GEMM engine (src/gemm) on the three model shapes of DESIGN §8,
+// Benchmark of the grouped GEMM engine (src/gemm) on the three model shapes (mok::dsv3_shape, qwen3_shape, gptoss_shape),
 // uniform, skewed and random (uniform random top-k routing) expert segments, side by side with
 // cuBLAS in the same run:
 //   - cuBLAS dense bf16 GEMM (fp32 compute) of the same FLOPs (one big TN GEMM), and

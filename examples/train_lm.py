@@ -24,7 +24,7 @@ import os
 
 # Before torch initialises CUDA: cuBLAS picks deterministic reduction splits only with a fixed workspace.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-# NVLink multicast stays off (DESIGN §5, and the GPU machines' rule).
+# NVLink multicast stays off (it can take a shared host's GPUs down).
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 

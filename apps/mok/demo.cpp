@@ -214,7 +214,7 @@ bool choose_gpu(const std::string& engine, std::string& why, int& gpus) {
   if (engine != "gpu" && engine != "auto") throw_invalid("--engine", "auto, cpu or gpu", engine);
   if (gpu_ok) {
     why = "GPU forward and backward (mok::forward, then mok::backward on the GPU over the forward's saved "
-          "context: the fused kernels unless MOK_FORWARD_PATH / MOK_BACKWARD_PATH say staged; one GPU per rank)";
+          "context: Config's default engines; one GPU per rank)";
     return true;
   }
   why = gpus == 0 ? "CPU reference (no CUDA GPU visible)"

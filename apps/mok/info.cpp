@@ -11,9 +11,7 @@
 #include "cli.hpp"
 #include "comm/cuda_check.hpp"
 #include "comm/device_buffer.hpp"
-#include "megakernel/bench_support.hpp"
-#include "megakernel/fused_backward.hpp"
-#include "megakernel/fused_forward.hpp"
+#include "support/bench_support.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
 #include "mok/version.hpp"
@@ -26,6 +24,10 @@ int run_info() {
   std::printf("engine: %s\n", info.description);
   std::printf("  gpu schedule: %s, gpu forward: %s, gpu backward: %s\n", info.gpu_schedule ? "yes" : "no",
               info.gpu_forward ? "yes" : "no", info.gpu_backward ? "yes" : "no");
+  const Config defaults;
+  std::printf("engines (Config defaults): forward %s; backward %s = %s with fp32 main grads, %s with bf16 gradients\n",
+              to_string(defaults.forward_engine), to_string(defaults.backward_engine),
+              to_string(defaults.effective_backward_engine(true)), to_string(defaults.effective_backward_engine(false)));
   int version = 0;
   ncclGetVersion(&version);
   std::printf("NCCL: headers %d, loaded library %d%s\n", NCCL_VERSION_CODE, version,
@@ -69,17 +71,20 @@ int run_bench(const Options& opts) {
   } timing{3, static_cast<int>(opts.integer("iters", 1, 1000)), opts.real("warm-ms", 0, 60000)};
   Config config;
   config.macrobatch = opts.integer("macrobatch", 0, int64_t{1} << 40);
+  const std::string fe = opts.str("forward-engine"), be = opts.str("backward-engine");
+  if (fe != "fused" && fe != "staged") throw_invalid("--forward-engine", "fused or staged", fe);
+  if (be != "auto" && be != "fused" && be != "staged") throw_invalid("--backward-engine", "auto, fused or staged", be);
+  config.forward_engine = fe == "staged" ? ForwardEngine::kStaged : ForwardEngine::kFused;
+  config.backward_engine = be == "auto" ? BackwardEngine::kAuto : be == "fused" ? BackwardEngine::kFused : BackwardEngine::kStaged;
   const int gpus = bootstrap::local_device_count();
   if (gpus < 1) throw Error(Status::kCudaError, "mok bench: no CUDA GPU visible (the layer runs on the GPU)");
-  const LayerShape shape = megakernel::bench_shape(name, gpus, tokens);
+  const LayerShape shape = bench::bench_shape(name, gpus, tokens);
   config.validate(shape);  // a bad --macrobatch names Config.macrobatch and the rows it takes
-  const auto routing = megakernel::uniform_routing(shape, 2026);
-  // (the paths Workspace::create reads; a bad value throws here, naming the variable)
-  const char* fwd_path = megakernel::forward_path_name(megakernel::forward_path_from_env());
-  const char* bwd_path = megakernel::backward_path_name(megakernel::backward_path_from_env());
-  (void)megakernel::fused_wgrad_in_kernel_from_env();
+  const auto routing = bench::uniform_routing(shape, 2026);
+  const char* fwd_path = to_string(config.forward_engine);
+  const char* bwd_path = to_string(config.effective_backward_engine(true));  // the timed backward adds into fp32
   const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
-  std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, %s backward; Config defaults%s; "
+  std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, %s backward; Config%s; "
               "median of %d after %.0f ms of steady state)\n",
               shape.to_string().c_str(), gpus, pass.c_str(), fwd_path, bwd_path,
               resident < all ? (", macrobatch ring of " + std::to_string(resident) + " of " + std::to_string(all) +
@@ -92,7 +97,7 @@ int run_bench(const Options& opts) {
   bootstrap::run_local_ranks(bootstrap::all_local_devices(), [&](bootstrap::LocalRank& r) {
     auto ws = Workspace::create(shape, config, r.comm, r.device);
     ws_bytes[r.rank] = ws->device_bytes();
-    megakernel::RandomLayer layer(shape, r.rank, routing[r.rank], 7);
+    bench::RandomLayer layer(shape, r.rank, routing[r.rank], 7);
     cudaStream_t stream;
     MOK_CUDA_CHECK(cudaStreamCreate(&stream));
     const size_t TH = size_t(shape.tokens) * shape.hidden;
@@ -101,7 +106,7 @@ int run_bench(const Options& opts) {
     comm::DeviceBuffer<bf16> dy(TH), dx(TH);
     comm::DeviceBuffer<float> dtopk(size_t(shape.tokens) * shape.topk), gg(routed), gu(routed), gd(routed), sg(shared),
         su(shared), sd(shared);
-    megakernel::fill_random_bf16(dy.get(), TH, 11 + r.rank, 1e-2f, stream);
+    bench::fill_random_bf16(dy.get(), TH, 11 + r.rank, 1e-2f, stream);
     for (auto* b : {&gg, &gu, &gd, &sg, &su, &sd}) {
       if (b->bytes()) MOK_CUDA_CHECK(cudaMemsetAsync(b->get(), 0, b->bytes(), stream));
     }
@@ -148,7 +153,7 @@ int run_bench(const Options& opts) {
     sync.arrive_and_wait();  // no rank frees its window while a peer may still read it
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
-  const double flops = megakernel::forward_flops(shape) * (pass == "forward" ? 1.0 : pass == "backward" ? 2.0 : 3.0);
+  const double flops = shape.forward_flops() * (pass == "forward" ? 1.0 : pass == "backward" ? 2.0 : 3.0);
   for (int r = 0; r < gpus; ++r) {
     std::printf("  rank %d: %s %.3f ms, %.1f useful TFLOP/s\n", r, pass.c_str(), ms[r], flops / ms[r] / 1e9);
   }

@@ -26,9 +26,8 @@ commands:
             --seed N        seed of teacher, student and data (default 1)
             --engine E      auto | cpu | gpu (default auto: forward and backward on the
                             GPUs when a GPU is visible, else the CPU reference)
-  bench   time one pass on every local GPU (EP = the GPUs; random data, uniform routing;
-          MOK_FORWARD_PATH=staged times the staged forward); prints the memory of the
-          workspace and of one layer's context
+  bench   time one pass on every local GPU (EP = the GPUs; random data, uniform routing);
+          prints the memory of the workspace and of one layer's context
             --pass P        forward | backward | step (default forward; step = schedule +
                             forward + backward)
             --shape S       dsv3 | qwen3 | gptoss (default dsv3)
@@ -38,6 +37,9 @@ commands:
                             power-capped clock; 0 times right after the warm-ups)
             --macrobatch R  Config::macrobatch: routed rows kept resident (default 0 = all;
                             below the routed buffer the fused forward runs them through a ring)
+            --forward-engine E   Config::forward_engine: fused | staged (default fused)
+            --backward-engine E  Config::backward_engine: auto | fused | staged (default auto:
+                                 the faster one for the gradient mode, fp32 main grads here)
   soak    training steps with fresh random routing every step (uniform, Zipf-skewed, all
           tokens to one expert, empty experts) on every local GPU: the fused and the staged
           forward, each with the GPU backward, compared bit for bit every step
@@ -47,7 +49,7 @@ commands:
                             I_shared 512, E 32, top-4)
             --seed N        seed of the routing and data (default 1)
             --out FILE      also write the counts as a bench/results record (JSON)
-  info    what this build contains: engine, GPUs, NCCL
+  info    what this build contains: engine, the engines Config's defaults run, GPUs, NCCL
   help    this text (also --help, -h)
   version print the version
 
@@ -79,7 +81,8 @@ int main(int argc, char** argv) {
                  {"seed", "1"}, {"engine", "auto"}}));
     }
     if (cmd == "bench") {
-      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"pass", "forward"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"}}));
+      return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"pass", "forward"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"},
+                                                               {"forward-engine", "fused"}, {"backward-engine", "auto"}}));
     }
     if (cmd == "soak") {
       return mok::cli::run_soak(

@@ -2,7 +2,7 @@
 // random routing every step, cycling through uniform, Zipf-skewed (s = 1.2), all tokens to one
 // expert, and empty experts (only every 4th expert routed to). Each step runs schedule + forward +
 // backward twice on the same inputs, once on the fused forward and backward and once on the staged
-// ones (MOK_FORWARD_PATH's and MOK_BACKWARD_PATH's two paths), and compares
+// ones (Config::forward_engine / backward_engine), and compares
 // y, dx, d topk_w and every weight gradient bit for bit. Every other cycle of the four patterns
 // the call carries fewer tokens than the workspace (ragged T, drawn per step). Counts the steps with a mismatch and the
 // errors (any mok::Error from Workspace::check()); exit status 1 when either is not zero.
@@ -21,7 +21,7 @@
 #include "comm/cuda_check.hpp"
 #include "comm/device_buffer.hpp"
 #include "host/workspace_impl.hpp"
-#include "megakernel/bench_support.hpp"
+#include "support/bench_support.hpp"
 #include "mok/api.hpp"
 #include "mok/bootstrap.hpp"
 
@@ -85,9 +85,9 @@ int64_t differences(PassOut& a, PassOut& b, cudaStream_t st) {
   int64_t n = 0;
   for (auto [x, y] : {std::pair{&a.y, &b.y}, {&a.dx, &b.dx}, {&a.gate, &b.gate}, {&a.up, &b.up}, {&a.down, &b.down},
                       {&a.sgate, &b.sgate}, {&a.sup, &b.sup}, {&a.sdown, &b.sdown}}) {
-    if (x->size()) n += megakernel::count_mismatches(x->get(), y->get(), x->size(), st);
+    if (x->size()) n += bench::count_mismatches(x->get(), y->get(), x->size(), st);
   }
-  n += megakernel::count_mismatches(reinterpret_cast<const bf16*>(a.dtopk.get()),
+  n += bench::count_mismatches(reinterpret_cast<const bf16*>(a.dtopk.get()),
                                     reinterpret_cast<const bf16*>(b.dtopk.get()), 2 * a.dtopk.size(), st);
   return n;
 }
@@ -120,7 +120,7 @@ int run_soak(const Options& opts) {
     auto ws = Workspace::create(shape, config, r.comm, r.device);
     auto ctx = Context::create(*ws, cudaStream_t{nullptr});
     const auto routing0 = soak_routing(shape, 0, seed);
-    megakernel::RandomLayer layer(shape, r.rank, routing0[r.rank], static_cast<uint32_t>(seed) + 7);
+    bench::RandomLayer layer(shape, r.rank, routing0[r.rank], static_cast<uint32_t>(seed) + 7);
     cudaStream_t st;
     MOK_CUDA_CHECK(cudaStreamCreate(&st));
     PassOut fused(shape), staged(shape);
@@ -132,9 +132,9 @@ int run_soak(const Options& opts) {
       MOK_CUDA_CHECK(cudaMemcpyAsync(layer.topk_idx.get(), routing[r.rank].data(), routing[r.rank].size() * 4,
                                      cudaMemcpyHostToDevice, st));
       const uint32_t salt = static_cast<uint32_t>(step * 131 + r.rank);
-      megakernel::fill_random_bf16(layer.x.get(), layer.x.size(), salt + 1, 1.0f, st);
-      megakernel::fill_random_f32(layer.topk_w.get(), layer.topk_w.size(), salt + 2, 0.05f, 1.0f, st);
-      megakernel::fill_random_bf16(dy.get(), dy.size(), salt + 3, 1e-2f, st);
+      bench::fill_random_bf16(layer.x.get(), layer.x.size(), salt + 1, 1.0f, st);
+      bench::fill_random_f32(layer.topk_w.get(), layer.topk_w.size(), salt + 2, 0.05f, 1.0f, st);
+      bench::fill_random_bf16(dy.get(), dy.size(), salt + 3, 1e-2f, st);
       // Every other cycle of the patterns: a ragged call of T_call <= T tokens (the same draw on every rank).
       const int64_t call_tokens =
           (step / 4) % 2 == 1 ? 1 + static_cast<int64_t>((seed * 2654435761u + step * 40503u) % shape.tokens) : shape.tokens;
@@ -145,8 +145,8 @@ int run_soak(const Options& opts) {
       MOK_CUDA_CHECK(cudaStreamSynchronize(st));  // the host routing vector is a stack value
       bool failed = false;
       for (PassOut* o : {&fused, &staged}) {
-        ws->impl().forward_path = o == &fused ? megakernel::ForwardPath::kFused : megakernel::ForwardPath::kStaged;
-        ws->impl().backward_path = o == &fused ? megakernel::BackwardPath::kFused : megakernel::BackwardPath::kStaged;
+        ws->impl().config.forward_engine = o == &fused ? ForwardEngine::kFused : ForwardEngine::kStaged;
+        ws->impl().config.backward_engine = o == &fused ? BackwardEngine::kFused : BackwardEngine::kStaged;
         try {
           schedule(*ws, layer.topk_idx.get(), call_tokens, st);
           forward(*ws, ForwardArgs{layer.x.get(), layer.topk_w.get(), o->y.get(), ctx.get()}, w, st);

@@ -1,4 +1,4 @@
-// The mok C++ API (DESIGN §1, §9): workspace, schedule, forward, backward, recompute.
+// The mok C++ API (docs/architecture.md): workspace, schedule, forward, backward, recompute.
 //
 //   mok::LayerShape shape = mok::dsv3_shape(/*ep=*/2);
 //   mok::Config cfg;                                   // documented defaults
@@ -132,7 +132,7 @@ class Workspace {
   std::unique_ptr<Impl> impl_;
 };
 
-// What one layer's forward keeps for its backward (DESIGN §9): the routing table and the saved
+// What one layer's forward keeps for its backward (docs/architecture.md): the routing table and the saved
 // g, u (and shared g, u) in one block of device memory. Many layers share one Workspace and
 // keep one Context each; a backward consumes the context of its forward, in any order. The
 // context belongs to the workspace that created it (a backward on another workspace, or on a
@@ -177,7 +177,7 @@ inline size_t context_bytes(const LayerShape& shape, const Config& config, Conte
   return Context::bytes(shape, config, keep);
 }
 
-// Routing table for the next forward/backward: exchanged and derived on the GPU (DESIGN §2.1).
+// Routing table for the next forward/backward: exchanged and derived on the GPU (docs/comm.md).
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream);
 // The same for a call of `tokens` tokens (1 <= tokens <= shape.tokens, the same on every rank: the
 // last batch of an epoch, packed sequences): topk_idx is [tokens, K], and the forward, its backward

@@ -32,6 +32,8 @@ typedef struct {
   double capacity;
   int32_t grid_sms;
   double wait_timeout_s;
+  int32_t forward_engine;  /* mok::ForwardEngine: 0 fused (default), 1 staged */
+  int32_t backward_engine; /* mok::BackwardEngine: 0 auto (default), 1 fused, 2 staged */
 } mok_config_t;
 
 typedef struct {

@@ -1,4 +1,5 @@
-// Config: the knobs of DESIGN §1. Knobs change speed and memory, never results (D2).
+// Config: the knobs of a layer. Knobs change speed and memory, never results (D2,
+// docs/determinism.md): every engine and count below gives the same bits.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,24 @@
 #include "mok/shape.hpp"
 
 namespace mok {
+
+// Which kernels run a pass. The fused engines are one persistent kernel per pass (communication
+// and GEMMs overlapped); the staged engines are the same roles as separate launches, the tests'
+// oracle for the fused ones (bitwise equal). docs/megakernel.md says how each works.
+enum class ForwardEngine : int32_t {
+  kFused = 0,   // default
+  kStaged = 1,  // no macrobatch ring: the routed buffers keep every row
+};
+enum class BackwardEngine : int32_t {
+  kAuto = 0,  // the faster engine for the call's gradient mode (auto_backward_engine)
+  kFused = 1,
+  kStaged = 2,
+};
+const char* to_string(ForwardEngine engine);
+const char* to_string(BackwardEngine engine);
+// The engine BackwardEngine::kAuto runs: fp32_main_grads is WeightGrads::mode == kAccumulateFp32. The
+// rule and the run it comes from are in docs/megakernel.md ("Choosing the backward engine").
+BackwardEngine auto_backward_engine(bool fp32_main_grads);
 
 struct Config {
   // SMs of the persistent grid that run communication roles (dispatch/combine).
@@ -41,6 +60,9 @@ struct Config {
   int grid_sms = 0;
   // Largest time one in-kernel wait may spin before it reports kTimeout.
   double wait_timeout_s = 10.0;
+  // The engines (above). Speed only: the same bits (D2).
+  ForwardEngine forward_engine = ForwardEngine::kFused;
+  BackwardEngine backward_engine = BackwardEngine::kAuto;
 
   // Throws mok::Error(kInvalidArgument) naming the first bad knob.
   void validate(const LayerShape& shape) const;
@@ -60,10 +82,12 @@ struct Config {
   // device_sms: the SMs of the device the backward runs on (used when grid_sms is 0; 0 = unknown: 16).
   // The staged backward's communication launches (and the fused backward's x pull before its kernel).
   int effective_comm_sms_backward(const LayerShape& shape, int device_sms) const;
-  // The fused backward kernel's communication CTAs (MOK_BACKWARD_PATH=fused): comm_sms_backward,
+  // The fused backward kernel's communication CTAs (BackwardEngine::kFused): comm_sms_backward,
   // or (automatic) at EP 1 every CTA of the grid but one (all pull the local dy rows, then take
   // GEMM tasks; 16 with device_sms unknown), at EP >= 2 the forward's count (the same rows move).
   int effective_comm_sms_fused_backward(const LayerShape& shape, int device_sms) const;
+  // The backward engine a call runs (resolves kAuto by the gradient mode).
+  BackwardEngine effective_backward_engine(bool fp32_main_grads) const;
 };
 
 }  // namespace mok

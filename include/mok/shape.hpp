@@ -1,4 +1,4 @@
-// LayerShape: the sizes of one MoE layer on one expert-parallel rank (DESIGN §1).
+// LayerShape: the sizes of one MoE layer on one expert-parallel rank (docs/architecture.md).
 #pragma once
 
 #include <cstdint>
@@ -26,13 +26,19 @@ struct LayerShape {
   int owner_rank(int64_t expert) const { return static_cast<int>(expert / local_experts()); }
   bool has_shared() const { return shared_intermediate > 0; }
   int64_t global_tokens() const { return tokens * ep; }
+  // Useful FLOPs of one rank's forward: 2*3*H*I per routed row (T*K of them) plus 2*3*H*I_shared
+  // per token for the shared expert (the backward does twice as many).
+  double forward_flops() const {
+    return 6.0 * double(hidden) * (double(intermediate) * double(tokens) * topk + double(shared_intermediate) * double(tokens));
+  }
 
   // Throws mok::Error(kInvalidArgument) naming the first bad field.
   void validate() const;
   std::string to_string() const;
 };
 
-// The three model shapes of DESIGN §8 at a given T per rank and EP size.
+// The three model shapes the benchmarks use (DeepSeek-V3, Qwen3-30B-A3B, gpt-oss-120b; docs/architecture.md)
+// at a given T per rank and EP size.
 LayerShape dsv3_shape(int ep, int64_t tokens = 8192);
 LayerShape qwen3_shape(int ep, int64_t tokens = 16384);
 LayerShape gptoss_shape(int ep, int64_t tokens = 8192);

@@ -108,7 +108,8 @@ class LayerShapeC(ctypes.Structure):
 class ConfigC(ctypes.Structure):
     _fields_ = [("comm_sms_forward", ctypes.c_int32), ("comm_sms_backward", ctypes.c_int32),
                 ("minibatch", ctypes.c_int64), ("macrobatch", ctypes.c_int64), ("capacity", ctypes.c_double),
-                ("grid_sms", ctypes.c_int32), ("wait_timeout_s", ctypes.c_double)]
+                ("grid_sms", ctypes.c_int32), ("wait_timeout_s", ctypes.c_double),
+                ("forward_engine", ctypes.c_int32), ("backward_engine", ctypes.c_int32)]
 
 
 class ExpertWeightsC(ctypes.Structure):

@@ -15,7 +15,12 @@ from . import _lib
 from .errors import invalid_argument
 
 __all__ = ["Config", "LayerShape", "validate", "context_bytes", "KEEP_ACTIVATIONS", "KEEP_ROUTING_ONLY",
-           "KEEP_DEFERRED_WGRAD"]
+           "KEEP_DEFERRED_WGRAD", "FORWARD_ENGINES", "BACKWARD_ENGINES"]
+
+# The engines (mok::ForwardEngine, mok::BackwardEngine): the names Config takes, in the C API's order.
+FORWARD_ENGINES = ("fused", "staged")
+BACKWARD_ENGINES = ("auto", "fused", "staged")
+_ENGINES = {"forward_engine": FORWARD_ENGINES, "backward_engine": BACKWARD_ENGINES}
 
 # mok_context_bytes / mok_context_create_in `keep` (mok::Context::Keep).
 KEEP_ACTIVATIONS = 0
@@ -26,16 +31,22 @@ KEEP_DEFERRED_WGRAD = 2
 def _defaults() -> dict:
     c = _lib.ConfigC()
     _lib.call("mok_config_default", ctypes.byref(c))
-    return {name: getattr(c, name) for name, _ in _lib.ConfigC._fields_}
+    d = {name: getattr(c, name) for name, _ in _lib.ConfigC._fields_}
+    for name, names in _ENGINES.items():
+        d[name] = names[d[name]]
+    return d
 
 
 @dataclass(frozen=True)
 class Config:
     """mok's knobs (mok::Config). Knobs change speed and memory, never results.
 
-    ``None`` fields take libmok's documented defaults (include/mok/config.hpp). ``max_tokens`` is the
-    binding's own: the tokens per rank a workspace is sized for (``LayerShape.tokens``); 0 sizes it
-    for each call's T rounded up to a power of two (docs/python.md, "Workspaces").
+    ``None`` fields take libmok's documented defaults (include/mok/config.hpp). ``forward_engine``
+    ("fused" or "staged") and ``backward_engine`` ("auto", "fused" or "staged") choose the kernels
+    (the same bits; "auto" runs the faster one for the gradient mode, docs/megakernel.md).
+    ``max_tokens`` is the binding's own: the tokens per rank a workspace is sized for
+    (``LayerShape.tokens``); 0 sizes it for each call's T rounded up to a power of two
+    (docs/python.md, "Workspaces").
     """
 
     comm_sms_forward: int | None = None
@@ -45,6 +56,8 @@ class Config:
     capacity: float | None = None
     grid_sms: int | None = None
     wait_timeout_s: float | None = None
+    forward_engine: str | None = None
+    backward_engine: str | None = None
     max_tokens: int = 0
 
     def resolved(self) -> "Config":
@@ -58,7 +71,8 @@ class Config:
         r = self.resolved()
         c = _lib.ConfigC()
         for name, _ in _lib.ConfigC._fields_:
-            setattr(c, name, getattr(r, name))
+            v = getattr(r, name)
+            setattr(c, name, _ENGINES[name].index(v) if name in _ENGINES else v)
         return c
 
     def __post_init__(self):
@@ -66,7 +80,10 @@ class Config:
             v = getattr(self, f.name)
             if v is None:
                 continue
-            if f.name in ("capacity", "wait_timeout_s"):
+            if f.name in _ENGINES:
+                if v not in _ENGINES[f.name]:
+                    raise invalid_argument(f"Config.{f.name}", " or ".join(map(repr, _ENGINES[f.name])), repr(v))
+            elif f.name in ("capacity", "wait_timeout_s"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise invalid_argument(f"Config.{f.name}", "a number", repr(v))
             elif isinstance(v, bool) or not isinstance(v, int):
@@ -77,7 +94,7 @@ class Config:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The sizes of one MoE layer on one expert-parallel rank (mok::LayerShape, DESIGN §1).
+    """The sizes of one MoE layer on one expert-parallel rank (mok::LayerShape).
 
     tokens: T per rank; hidden: H; intermediate: I of a routed expert; shared_intermediate: I of
     the shared expert (0: none); experts: E over all ranks; topk: K; ep: expert-parallel ranks.

@@ -16,7 +16,7 @@
 // second replay on). Every launch of a site runs after the previous one on the stream.
 //
 // Why our own and not ncclLsaBarrierSession: its wait spins without a timeout, and every wait
-// in mok must turn into an error instead of a hang (DESIGN §6).
+// in mok must turn into an error instead of a hang (docs/megakernel.md).
 #pragma once
 
 #include <cstdint>

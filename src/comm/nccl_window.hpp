@@ -1,4 +1,4 @@
-// The symmetric window of one rank on the NCCL (>= 2.28) device API (DESIGN §5):
+// The symmetric window of one rank on the NCCL (>= 2.28) device API (docs/comm.md):
 // ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) + ncclDevCommCreate (checked:
 // it fails when the window is not symmetric), peer addresses resolved once on the device with
 // ncclGetPeerPointer into a plain PeerMap. No NVLink multicast is requested, ever.

@@ -1,4 +1,4 @@
-// Plain descriptions of the symmetric workspace that kernels receive by value (DESIGN §5):
+// Plain descriptions of the symmetric workspace that kernels receive by value (docs/comm.md):
 // peer base addresses resolved once from the NCCL window, and the byte layout of the window.
 // Nothing here depends on NCCL types, so a GIN (network) path can later fill the same struct.
 #pragma once

@@ -1,4 +1,4 @@
-// The GPU routing schedule of one rank (DESIGN §2 step 1), bitwise equal to
+// The GPU routing schedule of one rank (docs/comm.md), bitwise equal to
 // mok::ref::make_schedule (src/reference/schedule.hpp) for this rank.
 //
 // Steps, all on the stream, no host sync:

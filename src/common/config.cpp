@@ -74,6 +74,39 @@ void Config::validate(const LayerShape& shape) const {
     got << wait_timeout_s;
     throw_invalid("Config.wait_timeout_s", "seconds in (0, 3600]", got.str());
   }
+  const auto fe = static_cast<int32_t>(forward_engine);
+  if (fe < 0 || fe > 1) throw_invalid("Config.forward_engine", "0 (fused) or 1 (staged)", std::to_string(fe));
+  const auto be = static_cast<int32_t>(backward_engine);
+  if (be < 0 || be > 2) {
+    throw_invalid("Config.backward_engine", "0 (auto), 1 (fused) or 2 (staged)", std::to_string(be));
+  }
+}
+
+const char* to_string(ForwardEngine engine) {
+  switch (engine) {
+    case ForwardEngine::kFused: return "fused";
+    case ForwardEngine::kStaged: return "staged";
+  }
+  return "invalid";
+}
+
+const char* to_string(BackwardEngine engine) {
+  switch (engine) {
+    case BackwardEngine::kAuto: return "auto";
+    case BackwardEngine::kFused: return "fused";
+    case BackwardEngine::kStaged: return "staged";
+  }
+  return "invalid";
+}
+
+// ENGINE-RULE: the one line that picks the backward engine per gradient mode; its figures are in
+// docs/megakernel.md ("Choosing the backward engine").
+BackwardEngine auto_backward_engine(bool fp32_main_grads) {
+  return fp32_main_grads ? BackwardEngine::kFused : BackwardEngine::kStaged;
+}
+
+BackwardEngine Config::effective_backward_engine(bool fp32_main_grads) const {
+  return backward_engine == BackwardEngine::kAuto ? auto_backward_engine(fp32_main_grads) : backward_engine;
 }
 
 int64_t Config::max_rows_per_rank(const LayerShape& shape) const {
@@ -162,7 +195,8 @@ std::string Config::to_string() const {
   std::ostringstream s;
   s << "comm_sms_forward=" << comm_sms_forward << " comm_sms_backward=" << comm_sms_backward
     << " minibatch=" << minibatch << " macrobatch=" << macrobatch << " capacity=" << capacity
-    << " grid_sms=" << grid_sms << " wait_timeout_s=" << wait_timeout_s;
+    << " grid_sms=" << grid_sms << " wait_timeout_s=" << wait_timeout_s
+    << " forward_engine=" << mok::to_string(forward_engine) << " backward_engine=" << mok::to_string(backward_engine);
   return s.str();
 }
 

@@ -1,7 +1,8 @@
 // Entry points of include/mok/api.hpp that are not part of the workspace/schedule
-// (src/host/workspace.cpp). The forward runs the fused GPU kernel (src/megakernel, or the
-// staged launches with MOK_FORWARD_PATH=staged) and saves into the call's Context; the
-// backward runs the staged GPU backward over that context (src/megakernel/staged_backward.hpp).
+// (src/host/workspace.cpp). The forward runs Config::forward_engine (the fused GPU kernel of
+// src/megakernel by default, or the staged launches) and saves into the call's Context; the
+// backward runs Config::effective_backward_engine over that context (fused_backward.hpp,
+// staged_backward.hpp).
 #include "comm/roles.hpp"
 #include "host/workspace_impl.hpp"
 #include "megakernel/fused_forward.hpp"
@@ -17,9 +18,10 @@ EngineInfo engine_info() {
   info.gpu_backward = true;
   info.description =
       "Hopper (sm_90a): GPU schedule, then one fused persistent forward kernel (dispatch, shared and routed "
-      "expert GEMMs, combine; MOK_FORWARD_PATH=staged: the same steps as separate launches); the GPU backward "
-      "as staged launches over each layer's saved context (pulls of x and dy, dh + SwiGLU backward with d topk_w, "
-      "dx, K-grouped weight gradients, dx push and fixed-order sum)";
+      "expert GEMMs, combine); the GPU backward over each layer's saved context as one fused persistent kernel "
+      "(pulls of x and dy, dh + SwiGLU backward with d topk_w, dx, dx push, the K-grouped weight gradients as its "
+      "second phase) or as staged launches of the same roles (Config::forward_engine / backward_engine; the "
+      "same bits)";
   return info;
 }
 
@@ -77,7 +79,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     target.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
     target.shared_u = impl.shape.has_shared() ? impl.backward->shared_u.get() : nullptr;
   }
-  if (impl.forward_path == megakernel::ForwardPath::kFused) {
+  if (impl.config.forward_engine == ForwardEngine::kFused) {
     megakernel::FusedForwardOptions options = impl.fused;
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.grid = impl.config.grid_sms;
@@ -165,7 +167,7 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   DeviceGuard guard(impl.device);
   const megakernel::GradInputs defer = deferred_inputs(ctx);
   const megakernel::GradInputs* into = args.defer_weight_grads ? &defer : nullptr;
-  if (impl.backward_path == megakernel::BackwardPath::kFused) {
+  if (impl.config.effective_backward_engine(grads.mode == GradMode::kAccumulateFp32) == BackwardEngine::kFused) {
     megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
                                fused_backward_options(impl), stream, into);
   } else {

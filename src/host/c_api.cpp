@@ -59,6 +59,8 @@ mok::Config to_config(const mok_config_t* c) {
   cfg.capacity = c->capacity;
   cfg.grid_sms = c->grid_sms;
   cfg.wait_timeout_s = c->wait_timeout_s;
+  cfg.forward_engine = static_cast<mok::ForwardEngine>(c->forward_engine);  // Config::validate checks the range
+  cfg.backward_engine = static_cast<mok::BackwardEngine>(c->backward_engine);
   return cfg;
 }
 
@@ -135,8 +137,15 @@ mok_status_t mok_config_default(mok_config_t* config) {
   return guarded([&] {
     require(config, "config");
     const mok::Config d;
-    *config = mok_config_t{d.comm_sms_forward, d.comm_sms_backward, d.minibatch, d.macrobatch,
-                           d.capacity,         d.grid_sms,          d.wait_timeout_s};
+    *config = mok_config_t{d.comm_sms_forward,
+                           d.comm_sms_backward,
+                           d.minibatch,
+                           d.macrobatch,
+                           d.capacity,
+                           d.grid_sms,
+                           d.wait_timeout_s,
+                           static_cast<int32_t>(d.forward_engine),
+                           static_cast<int32_t>(d.backward_engine)};
   });
 }
 

@@ -1,4 +1,4 @@
-// mok::Workspace and mok::schedule on the NCCL device API (DESIGN §2 step 1, §5).
+// mok::Workspace and mok::schedule on the NCCL device API (docs/comm.md).
 #include <atomic>
 #include <cstdio>
 #include <string>
@@ -58,9 +58,6 @@ std::unique_ptr<Workspace::Impl> new_impl(const LayerShape& shape, const Config&
   impl->shape = shape;
   impl->config = config;
   impl->device = device;
-  impl->forward_path = megakernel::forward_path_from_env();
-  impl->backward_path = megakernel::backward_path_from_env();
-  impl->fused_wgrad_in_kernel = megakernel::fused_wgrad_in_kernel_from_env();
   static std::atomic<uint64_t> next_serial{1};
   impl->serial = next_serial.fetch_add(1);
   return impl;
@@ -68,7 +65,7 @@ std::unique_ptr<Workspace::Impl> new_impl(const LayerShape& shape, const Config&
 
 // The macrobatch ring is the fused forward's; the staged path (a developer path) keeps every row.
 int64_t resident_rows(const Workspace::Impl& impl) {
-  return impl.forward_path == megakernel::ForwardPath::kFused ? impl.config.resident_routed_rows(impl.shape) : 0;
+  return impl.config.forward_engine == ForwardEngine::kFused ? impl.config.resident_routed_rows(impl.shape) : 0;
 }
 
 }  // namespace

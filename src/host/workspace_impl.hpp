@@ -47,12 +47,10 @@ struct Workspace::Impl {
   // The context of forwards given none (ForwardArgs::context = nullptr), created with the workspace.
   std::unique_ptr<Context> own_context;
   uint64_t serial = 0;  // unique per workspace of the process: the contexts it made carry it
-  // Which forward mok::forward runs: the fused kernel (default) or the staged launches
-  // (MOK_FORWARD_PATH=staged at workspace creation; tests and benches may set it directly).
-  megakernel::ForwardPath forward_path = megakernel::ForwardPath::kFused;
-  megakernel::BackwardPath backward_path = megakernel::BackwardPath::kStaged;
-  // The fused backward's weight gradients: its kernel's second phase (default) or launches after
-  // it (MOK_FUSED_WGRAD=after; FusedBackwardOptions::wgrad_in_kernel, same bits).
+  // The engines are config.forward_engine / config.backward_engine (tests and benches may change
+  // them on a live workspace; a forward engine change keeps the workspace's routed buffers).
+  // Testing knob: the fused backward's weight gradients as its kernel's second phase (default) or
+  // as launches after it (FusedBackwardOptions::wgrad_in_kernel, same bits).
   bool fused_wgrad_in_kernel = true;
   // The fused path's undecided choices (FusedForwardOptions::join_gemm, epilogue_push,
   // fused_topk_sum; the comm CTAs, grid and timeout come from `config`). Defaults as there;

@@ -1,4 +1,4 @@
-// The saved forward context of one layer (DESIGN §9): what a forward leaves for its backward,
+// The saved forward context of one layer (docs/architecture.md): what a forward leaves for its backward,
 // in one block of device memory that mok or the caller owns (mok::Context, include/mok/api.hpp).
 //
 //   routing table  the schedule the forward ran on (header, segments, row list, owner rows,

@@ -415,22 +415,6 @@ void launch_kernel(const FusedBackwardParams& base, int grid, cudaStream_t strea
 
 }  // namespace
 
-BackwardPath backward_path_from_env() {
-  const char* v = std::getenv("MOK_BACKWARD_PATH");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "staged") == 0) return BackwardPath::kStaged;
-  if (std::strcmp(v, "fused") == 0) return BackwardPath::kFused;
-  throw_invalid("MOK_BACKWARD_PATH", "staged (default) or fused", v);
-}
-
-const char* backward_path_name(BackwardPath path) { return path == BackwardPath::kStaged ? "staged" : "fused"; }
-
-bool fused_wgrad_in_kernel_from_env() {
-  const char* v = std::getenv("MOK_FUSED_WGRAD");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "kernel") == 0) return true;
-  if (std::strcmp(v, "after") == 0) return false;
-  throw_invalid("MOK_FUSED_WGRAD", "kernel (default) or after", v);
-}
-
 void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                     const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
                     const FusedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {

@@ -1,4 +1,4 @@
-// The fused GPU backward (DESIGN §2, §6; docs/megakernel.md "The backward"): the staged
+// The fused GPU backward (docs/megakernel.md "The backward"): the staged
 // backward's steps with its dgrad chain as ONE persistent kernel (one CTA per SM) whose CTAs take
 // roles from the forward's deterministic task list (task_list.cuh) and run the forward's task
 // roles (task_roles.cuh) over the dgrad kinds:
@@ -29,27 +29,16 @@
 
 namespace mok::megakernel {
 
-// Which backward mok::backward runs, read once when a workspace is created. Default staged:
-// at EP 1 the fused kernel measured no faster (dsv3 equal, qwen3 +4 %, gptoss +7 %, bf16 grads,
-// 2026-12-04, docs/megakernel.md); MOK_BACKWARD_PATH=fused selects it. Which one wins at EP >= 2,
-// where it hides the dy pull and the dx push under the GEMMs, is measured by the two-GPU run.
-enum class BackwardPath { kFused = 0, kStaged = 1 };
-BackwardPath backward_path_from_env();
-const char* backward_path_name(BackwardPath path);
-
 struct FusedBackwardOptions {
   int comm_ctas = 16;       // the kernel's communication CTAs (Config::effective_comm_sms_fused_backward)
   int grid = 0;             // Config::grid_sms; 0 = every SM. Must leave >= 1 GEMM CTA.
   double timeout_s = 10.0;  // Config::wait_timeout_s
   int prologue_ctas = 16;   // CTAs of the launches before the kernel (the x pull)
   // The K-grouped weight gradients as the kernel's second phase (tasks after every dgrad task,
-  // backward_wgrad.cuh), or (false) as launches after it. Same bits. MOK_FUSED_WGRAD.
+  // backward_wgrad.cuh), or (false) as launches after it. Same bits. A testing knob
+  // (Workspace::Impl::fused_wgrad_in_kernel): the benches time both placements.
   bool wgrad_in_kernel = true;
 };
-
-// MOK_FUSED_WGRAD: "kernel" (default) or "after" (FusedBackwardOptions::wgrad_in_kernel), read
-// once when a workspace is created.
-bool fused_wgrad_in_kernel_from_env();
 
 // One backward pass on `stream` over `saved`, as staged_backward (same arguments, same bits).
 void fused_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,

@@ -12,7 +12,6 @@
 #include "comm/barrier.cuh"
 #include "comm/cuda_check.hpp"
 #include "gemm/gemm_host.hpp"
-#include "megakernel/bench_support.hpp"
 #include "megakernel/fused_comm.cuh"
 #include "megakernel/fused_roles.cuh"
 #include "megakernel/persistent_grid.hpp"
@@ -255,7 +254,7 @@ Plan make_plan(const comm::CommState& state, const ForwardBuffers& b, const Forw
     // gptoss 4, qwen3 14 (measured at EP 1 with 16 comm CTAs: dsv3 +1.8 % over the default at
     // 4, +3.5 % at 8, +11.5 % at all 16; gptoss -0.7 / +2.7 / +5 %; qwen3 needs ~16).
     const double row_bytes = static_cast<double>(s.tokens) * s.topk * s.hidden * 2.0;
-    const double bytes_per_s = row_bytes / (forward_flops(s) / 600e12);
+    const double bytes_per_s = row_bytes / (s.forward_flops() / 600e12);
     plan.ring_ctas = std::clamp(static_cast<int>(std::ceil(1.2 * bytes_per_s / 23e9)), 1, o.comm_ctas);
   } else {
     // The fan-out's front-loaded first quarter of the routed rows is also dispatched by the GEMM
@@ -471,15 +470,6 @@ void forward_trace_dump(const std::string& path) {
   throw_invalid("forward_trace_dump", "a build with -DMOK_FORWARD_TRACE (cmake -DMOK_FORWARD_TRACE=ON)", path);
 #endif
 }
-
-ForwardPath forward_path_from_env() {
-  const char* v = std::getenv("MOK_FORWARD_PATH");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "fused") == 0) return ForwardPath::kFused;
-  if (std::strcmp(v, "staged") == 0) return ForwardPath::kStaged;
-  throw_invalid("MOK_FORWARD_PATH", "fused (default) or staged", v);
-}
-
-const char* forward_path_name(ForwardPath path) { return path == ForwardPath::kStaged ? "staged" : "fused"; }
 
 void fused_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs& args, const ExpertWeights& w,
                    const FusedForwardOptions& options, const SavedContext& save, cudaStream_t stream) {

@@ -1,4 +1,4 @@
-// The fused GPU forward (DESIGN §2, §6): after the schedule, ONE persistent kernel (one CTA
+// The fused GPU forward (docs/megakernel.md): after the schedule, ONE persistent kernel (one CTA
 // per SM) whose CTAs take roles from a deterministic task list:
 //   - communication CTAs (Config::comm_sms_forward): dispatch every minibatch (pull over
 //     NVLink, raising per-minibatch ready counters), then combine (push to the owner's slots
@@ -24,12 +24,6 @@
 
 namespace mok::megakernel {
 
-// Which forward mok::forward runs. Default fused; MOK_FORWARD_PATH=staged selects the staged
-// forward (benchmarking, bisecting), read once when a workspace is created.
-enum class ForwardPath { kFused = 0, kStaged = 1 };
-ForwardPath forward_path_from_env();
-const char* forward_path_name(ForwardPath path);
-
 // The fused forward's choices: Config's three, then the choices still undecided (each gives
 // the same bits; docs/megakernel.md says what was measured, docs/experiments.md what lost).
 struct FusedForwardOptions {
@@ -44,7 +38,7 @@ struct FusedForwardOptions {
   // The combine pushed from GEMM 2's epilogue (fused_push.cuh): each routed GEMM 2 tile's warps
   // copy its rows of other ranks' tokens into their slots, so the comm CTAs have no combine.
   // -1 (default) and 0: off; 1: on. Wins when it frees the comm CTAs at EP >= 2 (to be
-  // measured there: scripts/gpu_ep2_decide.sh).
+  // measured there: bench_forward --push 1 --push-sum 1 --fused-sum 1 times the variants).
   int epilogue_push = -1;
   // The fixed-order top-k sum inside the fused kernel (fused_topk_sum.cuh): each token summed as
   // soon as its rows exist instead of in a kernel after a barrier of all ranks. Off by default

@@ -1,4 +1,4 @@
-// The staged GPU backward (DESIGN §2, docs/numerics.md Backward): the steps of the backward
+// The staged GPU backward (docs/numerics.md Backward): the steps of the backward
 // pass as consecutive stream-ordered launches over a layer's saved forward context, no host
 // synchronisation and no new routing exchange:
 //   stage x, dy, topk_w in the window -> pull x rows and dy rows (the forward's dedup dispatch

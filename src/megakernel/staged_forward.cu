@@ -100,7 +100,7 @@ void refuse_ring(const comm::CommState& state, const ForwardBuffers& b, const ch
   throw_invalid("Config.macrobatch",
                 std::string("0 or at least the routed buffer (") + std::to_string(b.buffer_rows) + " rows) for " + what +
                     ", which keeps every routed row (the macrobatch ring is the fused forward's; a workspace created "
-                    "with MOK_FORWARD_PATH=staged keeps every row)",
+                    "with Config::forward_engine = kStaged keeps every row)",
                 std::to_string(state.config().macrobatch));
 }
 

@@ -1,4 +1,4 @@
-// The staged GPU forward: the steps of DESIGN §2 as consecutive stream-ordered launches
+// The staged GPU forward: the steps of docs/architecture.md as consecutive stream-ordered launches
 // (schedule -> dispatch -> shared expert -> GEMM1+SwiGLU -> GEMM2 -> combine -> top-k sum),
 // no host synchronisation. It is the first correct GPU forward, the "GEMMs alone" yardstick
 // of the fused kernel, and computes exactly what the fused kernel computes (same roles, same

@@ -1,4 +1,4 @@
-// The deterministic task list of the fused forward's GEMM CTAs (DESIGN §6). The tasks are
+// The deterministic task list of the fused forward's GEMM CTAs (docs/megakernel.md). The tasks are
 // handed out in increasing order through one counter (whichever GEMM CTA, or comm CTA done with
 // its dispatch, asks next; fused_roles.cuh, task_feeder), and a task only waits on tasks with a
 // smaller index (or on the communication CTAs' dispatch, which never waits on a GEMM), all

@@ -149,7 +149,7 @@ __device__ inline bool send_end_of_tasks(gemm::SharedStorage<C>& ss, gemm::PipeS
   return true;
 }
 
-// The task hand-out (DESIGN §6, task_list.cuh): tasks in list order from one counter, so a task
+// The task hand-out (docs/megakernel.md, task_list.cuh): tasks in list order from one counter, so a task
 // only waits on tasks handed out before it, and any CTA (a comm CTA done with its dispatch too)
 // may take the next one. The counter's round trip, the tile's segment search (dependent global
 // loads) and the wait for the task's inputs run here, one task ahead of the producer, so that

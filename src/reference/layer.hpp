@@ -1,5 +1,5 @@
-// CPU reference of the whole MoE layer (DESIGN §2-§4), simulating `ep` expert-parallel ranks
-// in one process. This is the oracle every GPU test compares against: it follows DESIGN §2
+// CPU reference of the whole MoE layer (docs/architecture.md, determinism.md, numerics.md), simulating `ep` expert-parallel ranks
+// in one process. This is the oracle every GPU test compares against: it follows docs/numerics.md
 // step by step (schedule -> dispatch -> per-expert SwiGLU MLP on the expert-major buffer ->
 // combine into slots (t, k) -> fixed-order epilogue; backward mirrors it) and
 // docs/numerics.md exactly (bf16 rounding points, fmaf in the y epilogue, sequential fp32
@@ -43,7 +43,7 @@ struct BasicLayerInputs {
   std::vector<std::vector<Weight>> topk_w;     // [ep][T*K] router weights
 };
 
-// What backward needs from forward, per rank r (DESIGN §9 "saved forward context"):
+// What backward needs from forward, per rank r (the saved forward context, docs/architecture.md):
 //   g, u       [padded_rows(r), I]: bf16 gate/up pre-activations of every row of r's
 //              expert-major receive buffer (schedule.ranks[r].rows says which (s, t, k) a row
 //              is); padding rows are zero. h is rebuilt from them bit-exactly.
@@ -115,7 +115,7 @@ GradientsF64 backward_f64(const LayerShape& shape, const Config& config,
                           const std::vector<std::vector<double>>& dy,
                           const ForwardContextF64* saved, int threads = 0);
 
-// DESIGN §2.2 alone: the expert-major receive buffer [padded_rows, H] (bf16) of `rank`, with
+// The dispatch alone (docs/comm.md): the expert-major receive buffer [padded_rows, H] (bf16) of `rank`, with
 // the rows of schedule.ranks[rank] copied from their owners' x; padding rows are zero.
 std::vector<uint16_t> dispatch_rows(const LayerShape& shape, const Schedule& schedule, int rank,
                                     const std::vector<std::vector<uint16_t>>& x);

@@ -1,4 +1,4 @@
-// The layer pass by pass, as DESIGN §2 describes it, over all simulated ranks:
+// The layer pass by pass, as docs/architecture.md describes it, over all simulated ranks:
 //   forward:  dispatch -> routed MLP per local expert -> combine into the owners' slots
 //             -> shared expert -> fixed-order y epilogue (fmaf, k = 0..K-1). The slots live
 //             only for y: the context keeps g, u (and shared g, u) and the schedule.

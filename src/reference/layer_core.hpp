@@ -112,7 +112,7 @@ BasicGradients<Real, Real> backward_core(const LayerShape& shape, const CoreWeig
                                          const std::vector<std::vector<Real>>& dy,
                                          const BasicForwardContext<Real>& ctx, int threads);
 
-// DESIGN §2.2: rows of schedule.ranks[rank] copied from their owners' x ([ep][T*H]) into an
+// The dispatch (docs/comm.md): rows of schedule.ranks[rank] copied from their owners' x ([ep][T*H]) into an
 // expert-major [padded_rows, H] buffer; padding rows are zero. Backward pulls dy the same way.
 template <class Elem>
 std::vector<Elem> dispatch(const LayerShape& shape, const RankSchedule& rs,

@@ -1,4 +1,4 @@
-// The routing schedule of one pass (DESIGN §2.1), computed on the CPU for all `ep` simulated
+// The routing schedule of one pass (docs/comm.md), computed on the CPU for all `ep` simulated
 // ranks at once. It is the reference for the GPU schedule: same canonical order, same padding,
 // same placement by prefix sums.
 //

@@ -21,6 +21,23 @@ TEST(CApi, DefaultsAndValidation) {
   EXPECT_STREQ(mok_version(), "0.1.0");
 }
 
+TEST(CApi, EnginesDefaultAndAreValidated) {
+  mok_config_t cfg;
+  ASSERT_EQ(mok_config_default(&cfg), MOK_OK);
+  EXPECT_EQ(cfg.forward_engine, 0);   // fused
+  EXPECT_EQ(cfg.backward_engine, 0);  // auto
+  mok_layer_shape_t shape{512, 1024, 512, 0, 16, 4, 2};
+  cfg.backward_engine = 2;  // staged
+  EXPECT_EQ(mok_validate(&shape, &cfg), MOK_OK) << mok_last_error();
+  cfg.backward_engine = 3;
+  EXPECT_EQ(mok_validate(&shape, &cfg), MOK_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mok_last_error()).find("Config.backward_engine"), std::string::npos) << mok_last_error();
+  cfg.backward_engine = 0;
+  cfg.forward_engine = -1;
+  EXPECT_EQ(mok_validate(&shape, &cfg), MOK_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mok_last_error()).find("Config.forward_engine"), std::string::npos) << mok_last_error();
+}
+
 TEST(CApi, NullArgumentsAreInvalidNotCrashes) {
   EXPECT_EQ(mok_config_default(nullptr), MOK_INVALID_ARGUMENT);
   EXPECT_NE(std::string(mok_last_error()).find("config"), std::string::npos);

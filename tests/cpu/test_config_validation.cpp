@@ -136,6 +136,30 @@ TEST(ConfigValidation, BadKnobsNameTheKnob) {
 // The automatic comm-CTA count lands on the best points of the 2026-11-30 EP=2 sweeps after
 // the fan-out dispatch (docs/perf-log.md, forward-v6..v8: dsv3 best at 4-8, qwen3 at 16,
 // gptoss at 6-8); an explicit value wins.
+TEST(ConfigValidation, EnginesNameTheKnobAndAutoFollowsTheGradientMode) {
+  mok::Config c;
+  EXPECT_EQ(c.forward_engine, mok::ForwardEngine::kFused);
+  EXPECT_EQ(c.backward_engine, mok::BackwardEngine::kAuto);
+  c.forward_engine = static_cast<mok::ForwardEngine>(2);
+  expect_invalid([&] { c.validate(good_shape()); }, {"Config.forward_engine", "0 (fused) or 1 (staged)", "2"});
+  c = mok::Config{};
+  c.backward_engine = static_cast<mok::BackwardEngine>(-1);
+  expect_invalid([&] { c.validate(good_shape()); }, {"Config.backward_engine", "0 (auto), 1 (fused) or 2 (staged)", "-1"});
+  c = mok::Config{};
+  for (bool fp32 : {true, false}) {
+    EXPECT_EQ(c.effective_backward_engine(fp32), mok::auto_backward_engine(fp32));
+    EXPECT_NE(c.effective_backward_engine(fp32), mok::BackwardEngine::kAuto);
+    for (auto e : {mok::BackwardEngine::kFused, mok::BackwardEngine::kStaged}) {
+      c.backward_engine = e;
+      EXPECT_EQ(c.effective_backward_engine(fp32), e);  // an explicit engine is kept in both modes
+    }
+    c.backward_engine = mok::BackwardEngine::kAuto;
+  }
+  EXPECT_STREQ(mok::to_string(mok::BackwardEngine::kAuto), "auto");
+  EXPECT_STREQ(mok::to_string(mok::ForwardEngine::kStaged), "staged");
+  EXPECT_NE(c.to_string().find("forward_engine=fused backward_engine=auto"), std::string::npos) << c.to_string();
+}
+
 TEST(ConfigValidation, AutomaticCommSmsFollowBytesPerFlop) {
   mok::Config c;
   EXPECT_GE(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 5);

@@ -1,4 +1,4 @@
-// Determinism of the reference (DESIGN §3), asserted bitwise with memcmp:
+// Determinism of the reference (docs/determinism.md), asserted bitwise with memcmp:
 //   D3  the same global batch split over ep = 1, 2, 4, 8 ranks gives identical y, dx,
 //       d topk_w and routed weight gradients;
 //   D1  run to run; thread counts 1, 2, 3; backward from the saved context vs recomputed;

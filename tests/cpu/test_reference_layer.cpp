@@ -318,7 +318,7 @@ TEST(ReferenceLayer, MatchesNaiveTokenCountAboveRowTile) {  // 3 rows tiles, las
   check_against_naive(make_problem(make_shape(300, 64, 64, 64, 2, 1, 1), 16), {0, 127, 128, 299}, true, 3);
 }
 
-// DESIGN §2.2 alone: each buffer row is its owner's x row, padding rows are zero.
+// The dispatch alone (docs/comm.md): each buffer row is its owner's x row, padding rows are zero.
 TEST(ReferenceLayer, DispatchCopiesOwnersRows) {
   const Problem p = make_problem(make_shape(60, 64, 64, 0, 4, 2, 2), 19);
   const Schedule sched = make_schedule(p.shape, roomy(p.shape), p.in.topk_idx);

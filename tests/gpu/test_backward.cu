@@ -387,10 +387,12 @@ void expect_matches_reference(const BwdCase& c, const Problem& p, const std::vec
   }
 }
 
-class BackwardVsReference : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+// Every case against the CPU reference on both engines (the fused one and its staged oracle),
+// each with both gradient modes, EP 1 and 2.
+class BackwardVsReference : public ::testing::TestWithParam<std::tuple<int, int, int, BackwardEngine>> {};
 
 TEST_P(BackwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
-  const auto [ep, which, mode] = GetParam();
+  const auto [ep, which, mode, engine] = GetParam();
   MOK_REQUIRE_RANKS(ep);
   const BwdCase& c = bwd_cases()[which];
   const LayerShape s = with_ep(c.shape, ep);
@@ -399,17 +401,21 @@ TEST_P(BackwardVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
   RunOptions ro;
   ro.mode = mode == 0 ? GradMode::kAccumulateFp32 : GradMode::kWriteBf16;
   ro.repeats = 2;
-  const auto got = run_backward(p, dy, bwd_config(s), ro);
+  Config cfg = bwd_config(s);
+  cfg.backward_engine = engine;
+  const auto got = run_backward(p, dy, cfg, ro);
   expect_matches_reference(c, p, dy, got[0]);
   expect_same_bits(got[1], got[0], std::string(c.name) + " D1");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, BackwardVsReference,
-                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6), ::testing::Values(0, 1)),
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6), ::testing::Values(0, 1),
+                                            ::testing::Values(BackwardEngine::kStaged, BackwardEngine::kFused)),
                          [](const auto& info) {
                            return std::string(bwd_cases()[std::get<1>(info.param)].name) + "_ep" +
                                   std::to_string(std::get<0>(info.param)) +
-                                  (std::get<2>(info.param) == 0 ? "_fp32acc" : "_bf16");
+                                  (std::get<2>(info.param) == 0 ? "_fp32acc_" : "_bf16_") +
+                                  to_string(std::get<3>(info.param));
                          });
 
 // The fused backward against the staged one, its oracle: every output and weight gradient bit
@@ -427,15 +433,15 @@ TEST_P(BackwardFusedVsStaged, SameBits) {
   for (GradMode mode : {GradMode::kAccumulateFp32, GradMode::kWriteBf16}) {
     RunOptions fused;
     fused.mode = mode;
-    fused.configure = [](Workspace& ws) { ws.impl().backward_path = megakernel::BackwardPath::kFused; };
+    fused.configure = [](Workspace& ws) { ws.impl().config.backward_engine = BackwardEngine::kFused; };
     RunOptions staged = fused;
-    staged.configure = [](Workspace& ws) { ws.impl().backward_path = megakernel::BackwardPath::kStaged; };
+    staged.configure = [](Workspace& ws) { ws.impl().config.backward_engine = BackwardEngine::kStaged; };
     const std::string what = std::string(c.name) + " ep " + std::to_string(ep) + " mode " + std::to_string(int(mode));
     const auto want = run_backward(p, dy, bwd_config(s), staged);
     expect_same_bits(run_backward(p, dy, bwd_config(s), fused)[0], want[0], what);
     RunOptions after = fused;
     after.configure = [](Workspace& ws) {
-      ws.impl().backward_path = megakernel::BackwardPath::kFused;
+      ws.impl().config.backward_engine = BackwardEngine::kFused;
       ws.impl().fused_wgrad_in_kernel = false;
     };
     expect_same_bits(run_backward(p, dy, bwd_config(s), after)[0], want[0], what + " weight gradients after the kernel");
@@ -590,9 +596,6 @@ TEST(BackwardRecompute, RoutingOnlyContextsGiveTheSameBits) {
 
 TEST(BackwardRecompute, MacrobatchRingGivesTheSameBits) {
   MOK_REQUIRE_RANKS(1);
-  if (megakernel::forward_path_from_env() == megakernel::ForwardPath::kStaged) {
-    GTEST_SKIP() << "MOK_FORWARD_PATH=staged: workspaces keep every routed row (the ring is the fused forward's)";
-  }
   for (int ep : {1, 2}) {
     if (!can_run_ep(ep)) continue;
     const BwdCase& c = bwd_cases()[2];  // top-8, E 16, shared expert

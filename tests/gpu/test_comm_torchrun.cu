@@ -1,6 +1,6 @@
 // Launch mode (b): one process per GPU started by torchrun, e.g.
-//   torchrun --nproc_per_node=2 --no-python .devbin/comm/test_comm_torchrun
-// (scripts/gpu_comm.sh runs it). Every process builds the same routing for all ranks from a
+//   torchrun --nproc_per_node=2 --no-python .devbin/test_comm_torchrun
+// (`scripts/gpu.sh torchrun` runs it). Every process builds the same routing for all ranks from a
 // fixed seed, runs its own rank of the pipeline and checks it bitwise against the reference.
 // Skips when WORLD_SIZE is not set (not started by a launcher).
 #include "test_comm_harness.cuh"

@@ -2,9 +2,9 @@
 // accuracy within the numerics tolerance on fresh random inputs with y poisoned first, and
 // the determinism contract bitwise: D1 (repeats), D2 (knobs), D3 (ep = 1 vs 2), plus the
 // error paths (capacity overflow, bad expert id) that must poison y and raise mok::Error.
-// mok::forward runs the fused kernel unless MOK_FORWARD_PATH=staged (run the binary both
-// ways: scripts/gpu_forward.sh); FusedVsStaged asserts the two paths give the same bits in y
-// and in the saved context (g, u of every routed and shared row).
+// mok::forward runs the fused engine (Config::forward_engine's default); FusedVsStaged asserts
+// that the staged engine gives the same bits in y and in the saved context (g, u of every routed
+// and shared row), every case at every EP size.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,7 +27,7 @@ namespace {
 // y is poisoned (0xFF = NaN) before every pass, so an unwritten element cannot pass.
 using Outputs = std::vector<std::vector<std::vector<std::vector<uint16_t>>>>;
 Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeats,
-                std::optional<megakernel::ForwardPath> path = std::nullopt) {
+                std::optional<ForwardEngine> path = std::nullopt) {
   const LayerShape& s = p.shape;
   Outputs out(configs.size(), std::vector<std::vector<std::vector<uint16_t>>>(repeats, std::vector<std::vector<uint16_t>>(s.ep)));
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
@@ -44,8 +44,9 @@ Outputs run_gpu(const Problem& p, const std::vector<Config>& configs, int repeat
       return std::string(b);
     };
     for (size_t c = 0; c < configs.size(); ++c) {
-      auto ws = create_workspace(s, configs[c], r);
-      if (path) ws->impl().forward_path = *path;
+      Config cfg = configs[c];
+      if (path) cfg.forward_engine = *path;
+      auto ws = create_workspace(s, cfg, r);
       for (int i = 0; i < repeats; ++i) {
         MOK_CUDA_CHECK(cudaMemsetAsync(d.y.get(), 0xFF, d.y.bytes(), stream));
         const double launched = harness_ms();
@@ -245,14 +246,15 @@ struct PassBits {
 //   kRingSum     with the macrobatch ring: the fused top-k sum (every row pushed and counted)
 enum class CopyModes { kDefault, kFusedSum, kNoJoin, kJoinMost, kPush, kPushSum, kRingSum };
 
-std::vector<PassBits> run_path(const Problem& p, const Config& cfg, megakernel::ForwardPath path,
+std::vector<PassBits> run_path(const Problem& p, const Config& cfg, ForwardEngine path,
                                CopyModes modes = CopyModes::kDefault) {
   const LayerShape& s = p.shape;
   std::vector<PassBits> out(s.ep);
   RankPool::get(s.ep).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
-    auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = path;
+    Config engine_cfg = cfg;
+    engine_cfg.forward_engine = path;  // at creation: a staged workspace keeps every routed row
+    auto ws = create_workspace(s, engine_cfg, r);
     megakernel::FusedForwardOptions& fo = ws->impl().fused;
     if (modes == CopyModes::kPush || modes == CopyModes::kPushSum) fo.epilogue_push = 1;
     fo.fused_topk_sum = modes == CopyModes::kFusedSum || modes == CopyModes::kPushSum || modes == CopyModes::kRingSum;
@@ -314,17 +316,17 @@ TEST_P(FusedVsStaged, SameBitsInOutputAndSavedContext) {
   const Problem p = make_problem(c.shape, c.pattern, 3000 + which * 10 + ep);
   Config cfg = default_config(c.shape);
   cfg.minibatch = 128;  // many minibatches: GEMM2 of one overlaps GEMM1 of the next
-  const auto staged = run_path(p, cfg, megakernel::ForwardPath::kStaged);
-  const auto fused = run_path(p, cfg, megakernel::ForwardPath::kFused);
-  const auto fused_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kFusedSum);
-  const auto fused_no_join = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kNoJoin);
-  const auto fused_join_most = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kJoinMost);
-  const auto fused_push = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPush);
-  const auto fused_push_sum = run_path(p, cfg, megakernel::ForwardPath::kFused, CopyModes::kPushSum);
+  const auto staged = run_path(p, cfg, ForwardEngine::kStaged);
+  const auto fused = run_path(p, cfg, ForwardEngine::kFused);
+  const auto fused_sum = run_path(p, cfg, ForwardEngine::kFused, CopyModes::kFusedSum);
+  const auto fused_no_join = run_path(p, cfg, ForwardEngine::kFused, CopyModes::kNoJoin);
+  const auto fused_join_most = run_path(p, cfg, ForwardEngine::kFused, CopyModes::kJoinMost);
+  const auto fused_push = run_path(p, cfg, ForwardEngine::kFused, CopyModes::kPush);
+  const auto fused_push_sum = run_path(p, cfg, ForwardEngine::kFused, CopyModes::kPushSum);
   // Raster groups aligned to experts: with minibatches of 8 row tiles groups would span experts.
   Config wide_mb = cfg;
   wide_mb.minibatch = 8 * kRowTile;
-  const auto fused_wide = run_path(p, wide_mb, megakernel::ForwardPath::kFused);
+  const auto fused_wide = run_path(p, wide_mb, ForwardEngine::kFused);
   for (int r = 0; r < ep; ++r) {
     EXPECT_TRUE(same_bits(fused_wide[r].y, staged[r].y)) << c.name << " rank " << r << ": y, 8-tile minibatches";
     EXPECT_TRUE(same_bits(fused_wide[r].g, staged[r].g)) << c.name << " rank " << r << ": saved g, 8-tile minibatches";
@@ -359,32 +361,23 @@ INSTANTIATE_TEST_SUITE_P(Ep, FusedVsStaged, ::testing::Combine(::testing::Values
 // every slot's reuse is exercised.
 class ForwardMacrobatch : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
-// A workspace created under MOK_FORWARD_PATH=staged keeps every row: no ring to test.
-#define MOK_REQUIRE_FUSED_WORKSPACE()                                                                \
-  do {                                                                                               \
-    if (megakernel::forward_path_from_env() == megakernel::ForwardPath::kStaged) {                   \
-      GTEST_SKIP() << "MOK_FORWARD_PATH=staged: workspaces keep every routed row (the macrobatch "   \
-                      "ring is the fused forward's)";                                                \
-    }                                                                                                \
-  } while (0)
 
 TEST_P(ForwardMacrobatch, RingGivesTheSameBitsAndKeepsTheLastRowTiles) {
   const auto [ep, which] = GetParam();
   MOK_REQUIRE_RANKS(ep);
-  MOK_REQUIRE_FUSED_WORKSPACE();
   const Case c = case_at(which, ep);
   const Problem p = make_problem(c.shape, c.pattern, 5000 + which * 10 + ep);
   Config cfg = default_config(c.shape);
   cfg.minibatch = 128;
-  const auto full = run_path(p, cfg, megakernel::ForwardPath::kFused);
+  const auto full = run_path(p, cfg, ForwardEngine::kFused);
   const size_t I = c.shape.intermediate, tile = size_t(kRowTile) * I;
   for (int64_t slots : {2, 3}) {
     Config ring_cfg = cfg;
     ring_cfg.macrobatch = slots * kRowTile;
     ASSERT_LT(ring_cfg.resident_routed_rows(c.shape), cfg.buffer_rows_per_rank(c.shape)) << "no ring: " << c.name;
-    const auto ring = run_path(p, ring_cfg, megakernel::ForwardPath::kFused);
+    const auto ring = run_path(p, ring_cfg, ForwardEngine::kFused);
     // The fused top-k sum on the ring (every row pushed, counted per token by a comm CTA).
-    const auto ring_sum = run_path(p, ring_cfg, megakernel::ForwardPath::kFused, CopyModes::kRingSum);
+    const auto ring_sum = run_path(p, ring_cfg, ForwardEngine::kFused, CopyModes::kRingSum);
     for (int r = 0; r < ep; ++r) {
       const std::string what = std::string(c.name) + " rank " + std::to_string(r) + ", ring of " +
                                std::to_string(slots) + " row tiles";
@@ -449,7 +442,7 @@ void with_small_fused_workspace(uint64_t seed, Check check, int grid_sms = 0) {
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    ws->impl().config.forward_engine = ForwardEngine::kFused;
     const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), rank_stream());
     check(*ws, d, ew, cfg, s);
@@ -499,7 +492,6 @@ TEST(FusedForward, RefusesBadEpiloguePushOptions) {
 // stay to count the pushed rows (every comm CTA joining is refused).
 TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
   MOK_REQUIRE_GPUS(1);
-  MOK_REQUIRE_FUSED_WORKSPACE();
   const LayerShape s{1000, 128, 128, 64, 8, 2, 1};
   const Problem p = make_problem(s, Pattern::kUniform, 11);
   Config cfg = default_config(s);
@@ -508,13 +500,12 @@ TEST(FusedForward, MacrobatchRefusesWhatNeedsEveryRow) {
   RankPool::get(1).run([&](bootstrap::LocalRank& r) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, cfg, r);
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
     ASSERT_TRUE(ws->impl().forward->ring());
     const ExpertWeights ew = d.weights();
     schedule(*ws, d.idx.get(), rank_stream());
-    ws->impl().forward_path = megakernel::ForwardPath::kStaged;
+    ws->impl().config.forward_engine = ForwardEngine::kStaged;
     expect_forward_refused(*ws, d, ew, "Config.macrobatch", "the staged path on a ring");
-    ws->impl().forward_path = megakernel::ForwardPath::kFused;
+    ws->impl().config.forward_engine = ForwardEngine::kFused;
     megakernel::FusedForwardOptions& fo = ws->impl().fused;
     fo.epilogue_push = 0;
     expect_forward_refused(*ws, d, ew, "epilogue_push", "epilogue_push 0 on a ring");
@@ -587,11 +578,11 @@ TEST(ForwardErrors, NonFiniteRouterWeightIsAnErrorAndPoisonsY) {
     RankData d = upload_rank(p, r.rank);
     auto ws = create_workspace(s, default_config(s), r);
     const ExpertWeights ew = d.weights();
-    for (auto path : {megakernel::ForwardPath::kStaged, megakernel::ForwardPath::kFused}) {
-      ws->impl().forward_path = path;
+    for (auto path : {ForwardEngine::kStaged, ForwardEngine::kFused}) {
+      ws->impl().config.forward_engine = path;
       schedule(*ws, d.idx.get(), rank_stream());
       forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, rank_stream());
-      EXPECT_THROW(ws->check(), Error) << megakernel::forward_path_name(path);
+      EXPECT_THROW(ws->check(), Error) << to_string(path);
     }
     std::vector<float> w = p.inputs.topk_w[0];
     w[5] = 0.25f;  // finite again: the next pass reports nothing and y is finite

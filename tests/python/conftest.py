@@ -19,7 +19,7 @@ if str(ROOT / "python") not in sys.path:
     sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference.py, toy_model.py
 
-# DESIGN §5: NVLink multicast stays off in every GPU run.
+# NVLink multicast stays off in every GPU run (it can take a shared host's GPUs down).
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 

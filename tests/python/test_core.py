@@ -55,6 +55,19 @@ def test_config_defaults_come_from_libmok():
     c = mok.Config().resolved()
     assert c.capacity == 2.0 and c.wait_timeout_s == 10.0 and c.minibatch == 0
     assert mok.Config(capacity=3.0).resolved().capacity == 3.0
+    assert c.forward_engine == "fused" and c.backward_engine == "auto"
+
+
+def test_config_engines_reach_libmok_and_bad_names_are_refused():
+    c = mok.Config(forward_engine="staged", backward_engine="fused")
+    raw = c.to_c()
+    assert (raw.forward_engine, raw.backward_engine) == (1, 1)
+    assert mok.Config(backward_engine="staged").to_c().backward_engine == 2
+    mok.validate(mok.LayerShape(**SHAPE), c)
+    with pytest.raises(mok.MokInvalidArgument, match="Config.backward_engine: expected 'auto' or 'fused' or 'staged'"):
+        mok.Config(backward_engine="fast")
+    with pytest.raises(mok.MokInvalidArgument, match="Config.forward_engine"):
+        mok.Config(forward_engine=0)
 
 
 SHAPE = dict(tokens=4096, hidden=2048, intermediate=768, experts=128, topk=8)

@@ -1,7 +1,7 @@
 """The acceptance run of issue 30 on one GPU: a 4-layer toy model with mok MoE blocks trains eagerly,
 under torch.compile(fullgraph=True), as a replayed CUDA graph of the whole step, and compiled inside a
 CUDA graph; each mode's two runs give bitwise-identical losses, the losses fall, and every mode agrees
-with the eager run (toy_model.py; scripts/gpu_python.sh also runs it as a script, printing the losses)."""
+with the eager run (toy_model.py; `scripts/gpu.sh python` also runs it as a script, printing the losses)."""
 
 from __future__ import annotations
 

@@ -38,10 +38,11 @@ def test_ops_are_registered():
 def test_layer_spec_roundtrip():
     from mok.torch._spec import parse_spec
 
-    key = mok.torch.layer_spec(H, I, E, K, S, config=mok.Config(capacity=3.0, max_tokens=512))
+    key = mok.torch.layer_spec(H, I, E, K, S, config=mok.Config(capacity=3.0, max_tokens=512, backward_engine="fused"))
     spec = parse_spec(key)
     assert (spec.hidden, spec.intermediate, spec.experts, spec.topk, spec.shared_intermediate) == (H, I, E, K, S)
     assert spec.config.capacity == 3.0 and spec.config.max_tokens == 512 and spec.key() == key
+    assert spec.config.backward_engine == "fused" and spec.config.forward_engine == "fused"
     with pytest.raises(mok.MokInvalidArgument, match="spec"):
         parse_spec("garbage")
 

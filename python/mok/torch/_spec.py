@@ -66,7 +66,10 @@ def make_spec(hidden: int, intermediate: int, shared_intermediate: int, experts:
     return spec
 
 
-def _number(text: str) -> int | float:
+def _number(text: str) -> int | float | str:
+    """One config value of a key: an int, a float or a quoted name (the engines)."""
+    if len(text) >= 2 and text[0] == text[-1] == "'":
+        return text[1:-1]
     try:
         return int(text)
     except ValueError:

@@ -1,11 +1,11 @@
-#include "megakernel/bench_support.hpp"
+#include "support/bench_support.hpp"
 
 #include <cmath>
 #include <random>
 
 #include "comm/cuda_check.hpp"
 
-namespace mok::megakernel {
+namespace mok::bench {
 namespace {
 
 __device__ __forceinline__ float hash_unit(size_t i, uint32_t seed) {  // [0, 1)
@@ -47,11 +47,6 @@ LayerShape bench_shape(const std::string& name, int ep, int64_t tokens) {
   if (name == "qwen3") return tokens > 0 ? qwen3_shape(ep, tokens) : qwen3_shape(ep);
   if (name == "gptoss") return tokens > 0 ? gptoss_shape(ep, tokens) : gptoss_shape(ep);
   throw_invalid("shape", "dsv3, qwen3 or gptoss", name);
-}
-
-double forward_flops(const LayerShape& s) {
-  return 2.0 * 3.0 * double(s.hidden) * double(s.intermediate) * double(s.tokens) * s.topk +
-         2.0 * 3.0 * double(s.hidden) * double(s.shared_intermediate) * double(s.tokens);
 }
 
 std::vector<std::vector<int32_t>> uniform_routing(const LayerShape& s, uint64_t seed) {
@@ -127,4 +122,4 @@ int64_t count_mismatches(const bf16* a, const bf16* b, size_t n, cudaStream_t st
   return static_cast<int64_t>(host);
 }
 
-}  // namespace mok::megakernel
+}  // namespace mok::bench

@@ -1,6 +1,6 @@
-// Shared pieces of the forward benchmarks (bench/bench_forward.cu and `mok bench`): one rank's
-// layer filled with random non-zero data on the GPU, uniform top-k routing, and the useful
-// FLOP count. Not part of the library API.
+// Shared pieces of the benchmarks and the `mok` program's bench and soak (library
+// mok_bench_support, not part of libmok): one rank's layer filled with random non-zero data on the
+// GPU, uniform top-k routing, and bit comparison of device buffers.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,15 +12,11 @@
 #include "comm/device_buffer.hpp"
 #include "mok/api.hpp"
 
-namespace mok::megakernel {
+namespace mok::bench {
 
-// The model shapes of DESIGN §8 by name ("dsv3", "qwen3", "gptoss") at T per rank (0 = the
-// shape's default) and EP size. Throws for an unknown name.
+// The benchmarks' model shapes by name ("dsv3", "qwen3", "gptoss": mok::dsv3_shape and the others) at
+// T per rank (0 = the shape's default) and EP size. Throws for an unknown name.
 LayerShape bench_shape(const std::string& name, int ep, int64_t tokens = 0);
-
-// Useful FLOPs of one rank's forward: 2*3*H*I per routed row (T*K of them) plus 2*3*H*I_sh
-// per token for the shared expert.
-double forward_flops(const LayerShape& s);
 
 // Uniform routing of every rank: K distinct experts per token, [ep][T*K].
 std::vector<std::vector<int32_t>> uniform_routing(const LayerShape& s, uint64_t seed);
@@ -44,4 +40,4 @@ struct RandomLayer {
 // Number of 16-bit elements that differ between two device buffers (stream-ordered, synchronises).
 int64_t count_mismatches(const bf16* a, const bf16* b, size_t n, cudaStream_t stream);
 
-}  // namespace mok::megakernel
+}  // namespace mok::bench
