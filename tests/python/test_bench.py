@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 import mok.torch  # noqa: E402
 from mok import bench  # noqa: E402
 from mok.torch import plain  # noqa: E402
+from procs import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 H, I, E, K, S, T = 128, 64, 4, 2, 64, 40
@@ -99,25 +100,62 @@ def test_invalid_impl_is_an_argument_error():
         plain.PlainMoE(H, I, E, K, impl="cutlass")
 
 
+def test_autograd_graph_does_not_keep_the_ep_group_alive(tmp_path):
+    """A graph that outlives destroy_process_group (a module-level output, say) must not keep the group: a live
+    gloo group runs its worker threads into interpreter finalization, where one that drops a Python-owned
+    tensor aborts the process (test_plain_layer_expert_parallel_over_two_gloo_ranks' workers say how)."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = weakref.ref(dist.group.WORLD)
+        x = torch.randn(6, 4, requires_grad=True)
+        y = plain._AllToAll.apply(x, [6], [6], dist.group.WORLD)  # the layer's exchange, over a group of one
+        y.square().sum().backward()
+        assert torch.equal(y, x) and torch.equal(x.grad, 2 * x.detach())
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert y.grad_fn is not None  # the graph is alive ...
+    assert group() is None, "the autograd graph of y keeps the process group alive"  # ... the group is not
+
+
 _EP_WORKER = r"""
-import sys, torch, torch.distributed as dist
+import gc, sys, weakref, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[5])
 from mok.torch.plain import plain_moe_experts
 rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+
+def step():  # every tensor and autograd graph of the step dies when it returns
+    full = torch.load(sys.argv[6])
+    el, t = full["w1"].shape[0] // world, full["x"].shape[0] // world
+    mine = {k: full[k][rank * el:(rank + 1) * el].clone().requires_grad_(True) for k in ("w1", "w2", "w3")}
+    shared = {k: full[k].clone().requires_grad_(True) for k in ("shared_w1", "shared_w2", "shared_w3")}
+    rows = slice(rank * t, (rank + 1) * t)
+    x = full["x"][rows].clone().requires_grad_(True)
+    tw = full["tw"][rows].clone().requires_grad_(True)
+    y = plain_moe_experts(x, full["idx"][rows], tw, mine["w1"], mine["w2"], mine["w3"], shared["shared_w1"],
+                          shared["shared_w2"], shared["shared_w3"], impl="loop")
+    y.backward(full["dy"][rows])
+    grads = {k: v.grad for k, v in {**mine, **shared}.items()}
+    torch.save({"y": y.detach(), "dx": x.grad, "dtw": tw.grad, **grads}, out)
+
+
 dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
-full = torch.load(sys.argv[6])
-el, t = full["w1"].shape[0] // world, full["x"].shape[0] // world
-mine = {k: full[k][rank * el:(rank + 1) * el].clone().requires_grad_(True) for k in ("w1", "w2", "w3")}
-shared = {k: full[k].clone().requires_grad_(True) for k in ("shared_w1", "shared_w2", "shared_w3")}
-rows = slice(rank * t, (rank + 1) * t)
-x = full["x"][rows].clone().requires_grad_(True)
-tw = full["tw"][rows].clone().requires_grad_(True)
-y = plain_moe_experts(x, full["idx"][rows], tw, mine["w1"], mine["w2"], mine["w3"], shared["shared_w1"],
-                      shared["shared_w2"], shared["shared_w3"], impl="loop")
-y.backward(full["dy"][rows])
-torch.save({"y": y.detach(), "dx": x.grad, "dtw": tw.grad, **{k: v.grad for k, v in {**mine, **shared}.items()}}, out)
-dist.barrier()  # both ranks done with gloo before either tears it down (a peer gone early aborted one in CI)
+step()
+dist.barrier()  # both ranks done with their collectives before either closes its connections
+group = weakref.ref(dist.group.WORLD)
 dist.destroy_process_group()
+gc.collect()
+# The group, and with it gloo's worker threads, must be gone while Python is alive: a gloo thread that drops
+# the last reference to a Python-owned tensor during interpreter finalization takes the GIL there, Python
+# ends the thread with pthread_exit inside a noexcept frame, and the process aborts ("terminate called
+# without an active exception"). Anything that keeps the group alive past destroy_process_group fails here.
+assert group() is None, "the gloo process group outlived destroy_process_group"
 """
 
 
@@ -133,12 +171,9 @@ def test_plain_layer_expert_parallel_over_two_gloo_ranks(tmp_path):
     problem = tmp_path / "problem.pt"
     torch.save({"x": x, "idx": idx, "tw": tw, "dy": dy, **{n: p.detach() for n, p in layer.named_parameters()}},
                problem)
-    procs = [subprocess.Popen([sys.executable, "-c", _EP_WORKER, str(r), str(world), str(tmp_path / "store"),
-                               str(tmp_path / f"out{r}.pt"), str(ROOT / "python"), str(problem)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0, out
+    run_ranks([[sys.executable, "-c", _EP_WORKER, str(r), str(world), str(tmp_path / "store"),
+                str(tmp_path / f"out{r}.pt"), str(ROOT / "python"), str(problem)] for r in range(world)],
+              timeout=120, what="gloo EP workers")
     outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
     el, t = E2 // world, T2 // world
     for r, o in enumerate(outs):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from procs import start_ranks, wait_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -29,8 +29,10 @@ def test_two_processes_under_torchrun():
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1] / "python"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(HERE / "dist_worker.py")]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    print(out.stdout[-20000:])
-    print(out.stderr[-20000:], file=sys.stderr)
-    assert out.returncode == 0, f"torchrun exited {out.returncode}:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    assert out.stdout.count("OK") == 2
+    (done,) = wait_ranks(start_ranks([cmd], env), timeout=600)
+    print(done.output[-20000:])
+    ok = [r for r in range(2) if f"dist worker rank {r}: OK" in done.output]
+    missing = [r for r in range(2) if r not in ok]
+    assert done.returncode == 0 and not missing, (
+        f"torchrun {'hung (killed after 600 s)' if done.timed_out else f'exited {done.returncode}'}; "
+        f"ranks without OK: {missing}\n{done.output[-4000:]}")

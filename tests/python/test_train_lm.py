@@ -8,11 +8,11 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from procs import run
 
 torch = pytest.importorskip("torch")
 
@@ -27,11 +27,9 @@ def _env() -> dict:
     return env
 
 
-def run_script(*args, timeout=240) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=_env(),
-                         timeout=timeout, cwd=ROOT)
-    assert out.returncode == 0, f"train_lm.py {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
-    return out
+def run_script(*args, timeout=240) -> str:
+    """train_lm.py's output (stdout and stderr); a failure or a hang past ``timeout`` s fails the test."""
+    return run([sys.executable, str(SCRIPT), *args], timeout, f"train_lm.py {' '.join(args)}", env=_env(), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +53,9 @@ def check_run(tmp_path_factory):
 
 def test_check_passes_and_prints_the_summary(check_run):
     _, out = check_run
-    assert "train_lm check: PASSED" in out.stdout
+    assert "train_lm check: PASSED" in out
     for line in ("bitwise_repeat     yes", "resume_equal       yes", "torch_within_2pct  yes"):
-        assert line in out.stdout
+        assert line in out
 
 
 def test_check_record_json(check_run):
@@ -147,4 +145,4 @@ def test_argument_errors(train_lm, capsys):
 def test_check_on_one_gpu(tmp_path):
     out = run_script("--device", "cuda", "--check", "--steps", "40", "--val-every", "20", "--out-dir",
                      str(tmp_path), "--no-tqdm", "--no-plot", timeout=600)
-    assert "train_lm check: PASSED" in out.stdout
+    assert "train_lm check: PASSED" in out

@@ -125,8 +125,13 @@ class _AllToAll(torch.autograd.Function):
         import torch.distributed as dist
 
         out_splits, in_splits = ctx.splits
+        # The graph (kept by whoever holds the output) must not keep the group alive after its last use: a
+        # group that outlives destroy_process_group keeps gloo's worker threads running into interpreter
+        # finalization, where a worker that drops a Python-owned tensor takes the GIL and is ended by
+        # pthread_exit inside a noexcept frame ("terminate called without an active exception").
+        group, ctx.group = ctx.group, None
         dx = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(dx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        dist.all_to_all_single(dx, grad.contiguous(), in_splits, out_splits, group=group)
         return dx, None, None, None
 
 
