@@ -1,7 +1,7 @@
 """Child processes for the tests that start them (the gloo EP workers, torchrun, examples/train_lm.py).
 
-Each process runs in its own session with its output in a file (no pipe to fill while another rank is
-waited on). ``run_ranks`` waits for all of them against one deadline; a rank still running then is
+Each process runs in a new process group (start_new_session) with its output in a file (no pipe to
+fill while another rank is waited on). ``run_ranks`` waits for all of them against one deadline; a rank still running then is
 killed with its whole process group (torchrun's workers too) and the failure names it, with the tail of
 its output, so a hang becomes a failure that says which rank hung instead of a stalled test run.
 """
