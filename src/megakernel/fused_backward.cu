@@ -3,8 +3,6 @@
 #include "megakernel/fused_backward.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "comm/barrier.cuh"
