@@ -1,0 +1,395 @@
+// FP8 block quantizers (docs/fp8.md), bit for bit the CPU reference src/reference/fp8.cpp.
+//
+// Numerics per block: amax is taken on the bf16 bits (|v| as fp32 bits is (bits & 0x7FFF) << 16,
+// and for non-negative floats the integer order is the float order); k comes from the exact
+// fp32 exponent and mantissa of amax (no log2); codes are e4m3(v * 2^-k) with 2^-k built from
+// bits, converted by cvt.rn.satfinite.e4m3x2.f32 (round to nearest even, saturating, sign of
+// zero kept), the rounding ref::to_e4m3 defines. v * 2^-k is exact (a power of two) unless it
+// falls below 2^-126, where it encodes to a signed zero either way.
+//
+// Layout of the work: quantize_rows_1x128 gives one warp to each 1x128 block (lane l holds
+// columns 2l, 2l+1, 64+2l, 65+2l: 4-byte loads, each warp access 128 contiguous bytes). The
+// two others stage a 128x128 bf16 tile in shared memory (row pitch 130 elements, so a column
+// read and a row write are both free of bank conflicts), then write the transposed codes
+// through a [128 columns][132 bytes] byte tile aliased onto it, 128 bytes per column per warp
+// store. Vector loads and stores are used where the address allows, scalar ones otherwise
+// (odd ld, odd cols, partial blocks); nothing outside the tensors is read or written.
+#include "gemm/fp8_quantize.hpp"
+
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "gemm/fp8_math.cuh"
+#include "gemm/gemm_host.hpp"
+#include "mok/error.hpp"
+
+namespace mok::gemm {
+
+namespace {
+
+constexpr int kBlock = 128;                 // block edge (elements)
+constexpr int kThreads = 256;               // 8 warps per CTA, every kernel
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileWordPitch = kBlock / 2 + 1;  // 65 words = 130 bf16 per tile row
+constexpr int kCodeWordPitch = kBlock / 4 + 1;  // 33 words = 132 code bytes per tile column
+constexpr int64_t kMaxGrid = int64_t{1} << 20;  // grid-stride loops beyond this many CTAs
+
+// Lane l of a warp covering one 128-wide row segment holds columns 2l, 2l+1, 64+2l, 65+2l.
+__device__ inline int lane_col(int lane, int j) { return (j >> 1) * 64 + 2 * lane + (j & 1); }
+
+// Loads the lane's 4 elements of a row segment of n <= 128 elements (missing ones read as 0).
+__device__ inline void load_segment(const uint16_t* src, int n, int lane, uint16_t (&v)[4]) {
+  if (n == kBlock && (reinterpret_cast<uintptr_t>(src) & 3u) == 0) {
+    const uint32_t lo = reinterpret_cast<const uint32_t*>(src)[lane];
+    const uint32_t hi = reinterpret_cast<const uint32_t*>(src + 64)[lane];
+    v[0] = static_cast<uint16_t>(lo);
+    v[1] = static_cast<uint16_t>(lo >> 16);
+    v[2] = static_cast<uint16_t>(hi);
+    v[3] = static_cast<uint16_t>(hi >> 16);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = lane_col(lane, j) < n ? src[lane_col(lane, j)] : uint16_t{0};
+  }
+}
+
+// Replaces non-finite values by +0 and records their linear index (index0 + column); returns
+// the largest |v| as fp32 bits.
+__device__ inline uint32_t sanitize(uint16_t (&v)[4], int lane, unsigned long long index0,
+                                    NonFiniteRecord* rec) {
+  uint32_t amax = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (!bf16_finite(v[j])) {
+      atomicMin(&rec->first, index0 + static_cast<unsigned long long>(lane_col(lane, j)));
+      v[j] = 0;
+    }
+    amax = max(amax, abs_bits(v[j]));
+  }
+  return amax;
+}
+
+// Stores the lane's codes (q01: columns 2l, 2l+1; q23: 64+2l, 65+2l) of a segment of n codes.
+__device__ inline void store_segment(uint8_t* dst, int n, int lane, uint16_t q01, uint16_t q23) {
+  if (n == kBlock && (reinterpret_cast<uintptr_t>(dst) & 1u) == 0) {
+    reinterpret_cast<uint16_t*>(dst)[lane] = q01;
+    reinterpret_cast<uint16_t*>(dst + 64)[lane] = q23;
+  } else {
+    const uint8_t q[4] = {static_cast<uint8_t>(q01), static_cast<uint8_t>(q01 >> 8), static_cast<uint8_t>(q23),
+                          static_cast<uint8_t>(q23 >> 8)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (lane_col(lane, j) < n) dst[lane_col(lane, j)] = q[j];
+  }
+}
+
+// ---- 1x128 blocks along rows ----
+
+struct RowsParams {
+  const uint16_t* x;
+  int64_t rows, cols, ld;
+  uint8_t* codes;
+  int64_t codes_ld;
+  float* scales;
+  int64_t scales_ld;
+  NonFiniteRecord* rec;
+  int64_t blocks_per_row;
+};
+
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t units = p.rows * p.blocks_per_row;
+  const int64_t stride = int64_t{gridDim.x} * kWarps;
+  for (int64_t u = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); u < units; u += stride) {
+    const int64_t r = u / p.blocks_per_row, b = u - r * p.blocks_per_row;
+    const int64_t c0 = b * kBlock;
+    const int n = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
+    uint16_t v[4];
+    load_segment(p.x + r * p.ld + c0, n, lane, v);
+    const uint32_t amax = __reduce_max_sync(0xFFFFFFFFu, sanitize(v, lane, r * p.cols + c0, p.rec));
+    const int k = scale_exponent_bits(amax);
+    const float inv = pow2_bits(-k);
+    store_segment(p.codes + r * p.codes_ld + c0, n, lane, encode2(v[0], v[1], inv), encode2(v[2], v[3], inv));
+    if (lane == 0) p.scales[b * p.scales_ld + r] = pow2_bits(k);
+  }
+}
+
+// ---- 128x128 tiles in shared memory ----
+
+struct TileSmem {
+  uint32_t words[kBlock * kTileWordPitch];  // bf16 tile [128][130]; later the code tile [128][33 words]
+  uint32_t amax[2 * kBlock];                // per-column partial amax (two row halves)
+};
+
+__device__ inline uint16_t tile_at(const TileSmem& s, int r, int c) {
+  return reinterpret_cast<const uint16_t*>(s.words)[r * 2 * kTileWordPitch + c];
+}
+
+// Loads x[r0 .. r0+nr) x [c0 .. c0+nc) (row stride ld) into the tile; elements outside the
+// matrix and non-finite ones become +0 (the latter recorded as (rec_row0 + r) * cols + c).
+// Returns the thread's largest |v| as fp32 bits.
+__device__ inline uint32_t load_tile(TileSmem& s, const uint16_t* x, int64_t ld, int64_t cols, int64_t r0,
+                                     int64_t c0, int nr, int nc, int64_t rec_row0, NonFiniteRecord* rec) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t amax = 0;
+  for (int r = warp; r < kBlock; r += kWarps) {
+    uint16_t v[4] = {0, 0, 0, 0};
+    if (r < nr) {
+      load_segment(x + (r0 + r) * ld + c0, nc, lane, v);
+      amax = max(amax, sanitize(v, lane, (rec_row0 + r0 + r) * cols + c0, rec));
+    }
+    s.words[r * kTileWordPitch + lane] = v[0] | (static_cast<uint32_t>(v[1]) << 16);
+    s.words[r * kTileWordPitch + 32 + lane] = v[2] | (static_cast<uint32_t>(v[3]) << 16);
+  }
+  return amax;
+}
+
+// Codes of tile column c, rows h*64 .. h*64+63, four rows per word (row order = byte order).
+__device__ inline void column_codes(const TileSmem& s, int c, int h, float inv, uint32_t (&q)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r = h * 64 + 4 * i;
+    const uint32_t lo = encode2(tile_at(s, r, c), tile_at(s, r + 1, c), inv);
+    const uint32_t hi = encode2(tile_at(s, r + 2, c), tile_at(s, r + 3, c), inv);
+    q[i] = lo | (hi << 16);
+  }
+}
+
+// Writes every thread's column codes (column c = tid % 128, rows half h = tid / 128) to the
+// code tile aliased on the bf16 tile, then the tile transposed: tile column c (< nc) goes to
+// dst + (c0 + c) * dst_ld + r0 .. + nr. Synchronises the CTA before and after.
+__device__ inline void store_transposed(TileSmem& s, const uint32_t (&q)[16], uint8_t* dst, int64_t dst_ld,
+                                        int64_t r0, int64_t c0, int nr, int nc) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = threadIdx.x & (kBlock - 1), h = threadIdx.x >> 7;
+  __syncthreads();  // every column read of the bf16 tile is done
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s.words[c * kCodeWordPitch + h * 16 + i] = q[i];
+  __syncthreads();
+  for (int col = warp; col < nc; col += kWarps) {
+    uint8_t* out = dst + (c0 + col) * dst_ld + r0;
+    const uint32_t word = s.words[col * kCodeWordPitch + lane];
+    if (nr == kBlock && (reinterpret_cast<uintptr_t>(out) & 3u) == 0) {
+      reinterpret_cast<uint32_t*>(out)[lane] = word;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (4 * lane + j < nr) out[4 * lane + j] = static_cast<uint8_t>(word >> (8 * j));
+    }
+  }
+  __syncthreads();  // the next tile may overwrite the shared memory
+}
+
+// ---- 128x1 blocks (along rows of x), written transposed ----
+
+struct ColsParams {
+  const uint16_t* x;
+  int64_t rows, cols, ld;
+  uint8_t* codes_t;
+  int64_t codes_t_ld;
+  float* scales_t;
+  int64_t scales_t_ld;
+  NonFiniteRecord* rec;
+  int64_t row_tiles, col_tiles;
+};
+
+__global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParams p) {
+  __shared__ TileSmem s;
+  const int c = threadIdx.x & (kBlock - 1), h = threadIdx.x >> 7;
+  for (int64_t t = blockIdx.x; t < p.row_tiles * p.col_tiles; t += gridDim.x) {
+    const int64_t br = t / p.col_tiles, bc = t - br * p.col_tiles;
+    const int64_t r0 = br * kBlock, c0 = bc * kBlock;
+    const int nr = static_cast<int>(min(int64_t{kBlock}, p.rows - r0));
+    const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
+    load_tile(s, p.x, p.ld, p.cols, r0, c0, nr, nc, 0, p.rec);
+    __syncthreads();
+    uint32_t part = 0;
+    for (int r = h * 64; r < h * 64 + 64; ++r) part = max(part, abs_bits(tile_at(s, r, c)));
+    s.amax[h * kBlock + c] = part;
+    __syncthreads();
+    const int k = scale_exponent_bits(max(s.amax[c], s.amax[kBlock + c]));
+    if (h == 0 && c < nc) p.scales_t[br * p.scales_t_ld + c0 + c] = pow2_bits(k);
+    uint32_t q[16];
+    column_codes(s, c, h, pow2_bits(-k), q);
+    store_transposed(s, q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
+  }
+}
+
+// ---- 128x128 blocks of a stack of matrices ----
+
+struct BlocksParams {
+  const uint16_t* w;
+  int64_t batch, rows, cols, batch_stride;
+  uint8_t* codes;
+  float* scales;
+  uint8_t* codes_t;
+  float* scales_t;
+  NonFiniteRecord* rec;
+  int64_t row_tiles, col_tiles;
+};
+
+__global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const BlocksParams p) {
+  __shared__ TileSmem s;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t per_matrix = p.row_tiles * p.col_tiles;
+  for (int64_t t = blockIdx.x; t < p.batch * per_matrix; t += gridDim.x) {
+    const int64_t e = t / per_matrix, br = (t - e * per_matrix) / p.col_tiles;
+    const int64_t bc = t - e * per_matrix - br * p.col_tiles;
+    const int64_t r0 = br * kBlock, c0 = bc * kBlock;
+    const int nr = static_cast<int>(min(int64_t{kBlock}, p.rows - r0));
+    const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
+    const uint32_t part =
+        load_tile(s, p.w + e * p.batch_stride, p.cols, p.cols, r0, c0, nr, nc, e * p.rows, p.rec);
+    const uint32_t warp_amax = __reduce_max_sync(0xFFFFFFFFu, part);
+    if (lane == 0) s.amax[warp] = warp_amax;
+    __syncthreads();
+    uint32_t amax = 0;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) amax = max(amax, s.amax[i]);
+    const int k = scale_exponent_bits(amax);
+    const float inv = pow2_bits(-k);
+    if (threadIdx.x == 0) {
+      p.scales[(e * p.row_tiles + br) * p.col_tiles + bc] = pow2_bits(k);
+      if (p.scales_t) p.scales_t[(e * p.col_tiles + bc) * p.row_tiles + br] = pow2_bits(k);
+    }
+    // Row-major codes, from the tile rows this warp loaded.
+    for (int r = warp; r < nr; r += kWarps) {
+      const uint32_t lo = s.words[r * kTileWordPitch + lane], hi = s.words[r * kTileWordPitch + 32 + lane];
+      store_segment(p.codes + (e * p.rows + r0 + r) * p.cols + c0, nc, lane,
+                    encode2(static_cast<uint16_t>(lo), static_cast<uint16_t>(lo >> 16), inv),
+                    encode2(static_cast<uint16_t>(hi), static_cast<uint16_t>(hi >> 16), inv));
+    }
+    if (p.codes_t) {  // uniform over the launch
+      uint32_t q[16];
+      column_codes(s, threadIdx.x & (kBlock - 1), threadIdx.x >> 7, inv, q);
+      store_transposed(s, q, p.codes_t + e * p.cols * p.rows, p.rows, r0, c0, nr, nc);
+    } else {
+      __syncthreads();  // s.amax and the tile are read before the next tile overwrites them
+    }
+  }
+}
+
+// ---- host-side checks ----
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void check_extent(const char* arg, int64_t v) {
+  if (v < 0) throw_invalid(arg, ">= 0", str(v));
+}
+
+// A device pointer of `align`-byte elements; nullptr only when nothing is to be accessed.
+void check_ptr(const char* arg, const void* p, size_t align, bool needed) {
+  if (!needed) return;
+  if (p == nullptr) throw_invalid(arg, "a device pointer", "nullptr");
+  if (reinterpret_cast<uintptr_t>(p) % align != 0) {
+    throw_invalid(arg, "a " + std::to_string(align) + "-byte aligned device pointer", "a misaligned pointer");
+  }
+}
+
+// Resolves a leading dimension (0 = fallback) and checks it is >= min_value (named min_name)
+// and, if multiple > 1, a multiple of it.
+int64_t resolve_ld(const char* arg, int64_t ld, int64_t fallback, int64_t min_value, const char* min_name,
+                   int64_t multiple) {
+  if (ld < 0) throw_invalid(arg, std::string(">= 0 (0 = ") + min_name + ")", str(ld));
+  const int64_t v = ld == 0 ? fallback : ld;
+  std::string expected = std::string(">= ") + min_name + " = " + str(min_value);
+  if (multiple > 1) expected = "a multiple of " + str(multiple) + " " + expected;
+  if (v < min_value || v % multiple != 0) {
+    throw_invalid(arg, expected, ld == 0 ? str(v) + " (0 = " + min_name + ")" : str(v));
+  }
+  return v;
+}
+
+void check_record(const NonFiniteRecord* rec) {
+  if (rec == nullptr) throw_invalid("a.nonfinite", "a device NonFiniteRecord", "nullptr");
+}
+
+unsigned grid_for(int64_t work_items) {
+  return static_cast<unsigned>(std::clamp<int64_t>(work_items, 1, kMaxGrid));
+}
+
+}  // namespace
+
+void reset_nonfinite(NonFiniteRecord* dev, cudaStream_t stream) {
+  if (dev == nullptr) throw_invalid("nonfinite", "a device NonFiniteRecord", "nullptr");
+  host::check_cuda(cudaMemsetAsync(dev, 0xFF, sizeof(NonFiniteRecord), stream), "reset_nonfinite");
+}
+
+void check_nonfinite(const NonFiniteRecord* dev, int64_t cols, const char* name, cudaStream_t stream) {
+  if (dev == nullptr) throw_invalid("nonfinite", "a device NonFiniteRecord", "nullptr");
+  check_extent("cols", cols);
+  NonFiniteRecord h{};
+  host::check_cuda(cudaMemcpyAsync(&h, dev, sizeof h, cudaMemcpyDeviceToHost, stream), "check_nonfinite copy");
+  host::check_cuda(cudaStreamSynchronize(stream), "check_nonfinite sync");
+  if (h.first == ~0ull) return;
+  const std::string tensor = name ? name : "(unnamed tensor)";
+  const std::string where = cols > 0 ? "at row " + std::to_string(h.first / cols) + ", column " +
+                                           std::to_string(h.first % cols)
+                                     : "at element " + std::to_string(h.first);
+  throw Error(Status::kInvalidArgument, "mok fp8: non-finite value in " + tensor + " " + where);
+}
+
+void quantize_rows_1x128(const QuantizeRowsArgs& a, cudaStream_t stream) {
+  check_extent("a.rows", a.rows);
+  check_extent("a.cols", a.cols);
+  check_record(a.nonfinite);
+  const int64_t ld = resolve_ld("a.ld", a.ld, a.cols, a.cols, "cols", 1);
+  const int64_t codes_ld = resolve_ld("a.codes_ld", a.codes_ld, a.cols, a.cols, "cols", 16);
+  const int64_t scales_ld = resolve_ld("a.scales_ld", a.scales_ld, a.rows, a.rows, "rows", 1);
+  const bool work = a.rows > 0 && a.cols > 0;
+  check_ptr("a.x", a.x, 2, work);
+  check_ptr("a.codes", a.codes, 1, work);
+  check_ptr("a.scales", a.scales, 4, work);
+  if (!work) return;
+  RowsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes, codes_ld, a.scales,
+               scales_ld, a.nonfinite, (a.cols + kBlock - 1) / kBlock};
+  const int64_t units = a.rows * p.blocks_per_row;
+  quantize_rows_kernel<<<grid_for((units + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
+  host::check_cuda(cudaGetLastError(), "quantize_rows_1x128 launch");
+}
+
+void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stream) {
+  check_extent("a.rows", a.rows);
+  check_extent("a.cols", a.cols);
+  check_record(a.nonfinite);
+  const int64_t ld = resolve_ld("a.ld", a.ld, a.cols, a.cols, "cols", 1);
+  const int64_t codes_t_ld = resolve_ld("a.codes_t_ld", a.codes_t_ld, a.rows, a.rows, "rows", 16);
+  const int64_t scales_t_ld = resolve_ld("a.scales_t_ld", a.scales_t_ld, a.cols, a.cols, "cols", 1);
+  const bool work = a.rows > 0 && a.cols > 0;
+  check_ptr("a.x", a.x, 2, work);
+  check_ptr("a.codes_t", a.codes_t, 1, work);
+  check_ptr("a.scales_t", a.scales_t, 4, work);
+  if (!work) return;
+  ColsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes_t, codes_t_ld, a.scales_t,
+               scales_t_ld, a.nonfinite, (a.rows + kBlock - 1) / kBlock, (a.cols + kBlock - 1) / kBlock};
+  quantize_cols_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
+  host::check_cuda(cudaGetLastError(), "quantize_cols_128x1_transposed launch");
+}
+
+void quantize_blocks_128x128(const QuantizeBlocksArgs& a, cudaStream_t stream) {
+  check_extent("a.batch", a.batch);
+  check_extent("a.rows", a.rows);
+  check_extent("a.cols", a.cols);
+  check_record(a.nonfinite);
+  const int64_t stride =
+      resolve_ld("a.batch_stride", a.batch_stride, a.rows * a.cols, a.rows * a.cols, "rows * cols", 1);
+  if ((a.codes_t == nullptr) != (a.scales_t == nullptr)) {
+    throw_invalid("a.codes_t, a.scales_t", "both set (transposed copy) or both nullptr",
+                  a.codes_t ? "scales_t nullptr" : "codes_t nullptr");
+  }
+  const bool work = a.batch > 0 && a.rows > 0 && a.cols > 0;
+  check_ptr("a.w", a.w, 2, work);
+  check_ptr("a.codes", a.codes, 1, work);
+  check_ptr("a.scales", a.scales, 4, work);
+  check_ptr("a.scales_t", a.scales_t, 4, work && a.scales_t != nullptr);
+  if (!work) return;
+  BlocksParams p{reinterpret_cast<const uint16_t*>(a.w), a.batch, a.rows, a.cols, stride, a.codes, a.scales,
+                 a.codes_t, a.scales_t, a.nonfinite, (a.rows + kBlock - 1) / kBlock,
+                 (a.cols + kBlock - 1) / kBlock};
+  quantize_blocks_kernel<<<grid_for(a.batch * p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
+  host::check_cuda(cudaGetLastError(), "quantize_blocks_128x128 launch");
+}
+
+}  // namespace mok::gemm
