@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "gemm/grouped_gemm.hpp"
+#include "gemm/grouped_gemm_fp8.hpp"
 
 namespace {
 
@@ -75,6 +76,21 @@ __global__ void fill_random(bf16* p, size_t n, uint32_t seed, float scale) {
     h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
     const float u = (h >> 8) * (1.0f / 16777216.0f);  // [0, 1)
     p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+// Random finite e4m3 codes (never 0x7F / 0xFF, the NaNs) and power-of-two scales in [2^-4, 2^3].
+__global__ void fill_e4m3(uint8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15;
+    p[i] = static_cast<uint8_t>((h & 0x80u) | ((h >> 8) % 0x7Fu));
+  }
+}
+__global__ void fill_scales(float* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint32_t h = (static_cast<uint32_t>(i) * 2654435761u ^ seed) >> 13;
+    p[i] = ldexpf(1.0f, static_cast<int>(h % 8u) - 4);
   }
 }
 
@@ -425,6 +441,83 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     res.push_back({"gemm2", f, ms, d, b.grouped_loop(H, I, h, wd, cbuf)});
     res.push_back({"gemm2_cluster2", f,
                    median_ms([&] { gemm2({b.seg, H, I, h, wd, out}, b.launch(2), stream); }, reps, stream), d, 0});
+  }
+  // GEMM 2 in FP8 (e4m3 codes, 1x128 / 128x128 block scales), beside the bf16 kind above;
+  // random finite codes and power-of-two scales (the speed does not depend on the values).
+  {
+    const double f = 2.0 * rr * H * I;
+    const int64_t kb = (I + 127) / 128, nb = (H + 127) / 128;
+    uint8_t* hc = dalloc<uint8_t>(R * I);
+    uint8_t* wc = dalloc<uint8_t>(E * H * I);
+    float* hs = dalloc<float>(kb * R);
+    float* ws = dalloc<float>(E * nb * kb);
+    fill_e4m3<<<1024, 256>>>(hc, R * I, 11);
+    fill_e4m3<<<1024, 256>>>(wc, E * H * I, 12);
+    fill_scales<<<256, 256>>>(hs, kb * R, 13);
+    fill_scales<<<256, 256>>>(ws, E * nb * kb, 14);
+    CK(cudaDeviceSynchronize());
+    Gemm2Fp8Args a;
+    a.seg = b.seg;
+    a.hidden = H;
+    a.intermediate = I;
+    a.h = {hc, hs};
+    a.w_down = {wc, ws};
+    a.out = out;
+    trace_begin();
+    const float ms = median_ms([&] { gemm2_fp8(a, L, stream); }, reps, stream);
+    trace_report("gemm2_fp8");
+    res.push_back({"gemm2_fp8", f, ms, dense(M, H, I), 0});
+    // GEMM 1 + SwiGLU in FP8 (writes g, u, h and h's codes and scales), beside gemm1_swiglu.
+    const int64_t hb = (H + 127) / 128, ib = (I + 127) / 128;
+    uint8_t* xc = dalloc<uint8_t>(R * H);
+    uint8_t* gc = dalloc<uint8_t>(E * I * H);
+    uint8_t* uc = dalloc<uint8_t>(E * I * H);
+    float* xs = dalloc<float>(hb * R);
+    float* gs = dalloc<float>(E * ib * hb);
+    float* us = dalloc<float>(E * ib * hb);
+    NonFiniteRecord* rec = dalloc<NonFiniteRecord>(1);
+    fill_e4m3<<<1024, 256>>>(xc, R * H, 15);
+    fill_e4m3<<<1024, 256>>>(gc, E * I * H, 16);
+    fill_e4m3<<<1024, 256>>>(uc, E * I * H, 17);
+    fill_scales<<<256, 256>>>(xs, hb * R, 18);
+    fill_scales<<<256, 256>>>(gs, E * ib * hb, 19);
+    fill_scales<<<256, 256>>>(us, E * ib * hb, 20);
+    reset_nonfinite(rec, stream);
+    CK(cudaDeviceSynchronize());
+    Gemm1SwigluFp8Args a1;
+    a1.seg = b.seg;
+    a1.hidden = H;
+    a1.intermediate = I;
+    a1.x = {xc, xs};
+    a1.w_gate = {gc, gs};
+    a1.w_up = {uc, us};
+    a1.g = g;
+    a1.u = u;
+    a1.h = h;
+    a1.h_codes = hc;
+    a1.h_scales = hs;
+    a1.nonfinite = rec;
+    const double f1 = 2.0 * rr * 2 * I * H;
+    trace_begin();
+    const float ms1 = median_ms([&] { gemm1_swiglu_fp8(a1, L, stream); }, reps, stream);
+    trace_report("gemm1_swiglu_fp8");
+    res.push_back({"gemm1_swiglu_fp8", f1, ms1, dense(M, 2 * I, H), 0});
+    // dgrad of GEMM 1 in FP8 (dg, du codes: reuse h's buffer twice; W^T codes: reuse W_gate's,
+    // W_up's of the same size [E, H, I]), beside dgrad_dx.
+    DgradInputFp8Args a2;
+    a2.seg = b.seg;
+    a2.hidden = H;
+    a2.intermediate = I;
+    a2.dg = {hc, hs};
+    a2.du = {hc, hs};
+    a2.w_gate_t = {gc, gs};
+    a2.w_up_t = {uc, us};
+    a2.dx = out;
+    const float ms2 = median_ms([&] { dgrad_input_fp8(a2, L, stream); }, reps, stream);
+    res.push_back({"dgrad_dx_fp8", 2.0 * rr * 2 * I * H, ms2, dense(M, H, 2 * I), 0});
+    for (void* p : {(void*)hc, (void*)wc, (void*)hs, (void*)ws, (void*)xc, (void*)gc, (void*)uc, (void*)xs, (void*)gs,
+                    (void*)us, (void*)rec})
+      CK(cudaFree(p));
   }
   // dgrad: dh + SwiGLU backward (2 rows H I), dX (2 rows 2I H).
   {

@@ -53,6 +53,9 @@ struct TileConfig {
   static constexpr Major kAMajor = AMajor;
   static constexpr Major kBMajor = BMajor;
   static constexpr int kClusterM = ClusterM;
+  static constexpr bool kFp8 = false;  // bf16 operands, accumulated by wgmma in place
+  static constexpr int kAScaleBytes = 0;
+  static constexpr int kMmaN = BN;  // one wgmma covers the tile's columns
   static_assert(ClusterM == 1 || ClusterM == 2, "clusters of 1 or 2 CTAs along M");
 
   static constexpr int kConsumerWGs = 2;
@@ -86,6 +89,57 @@ struct TileConfig {
   static constexpr int kBarrierBytes = 1024;
   static constexpr int kSmemBytes =
       kStages * kStageBytes + kConsumerWGs * kEpiBytesPerWG + kBarrierBytes + 1024 /*align*/;
+  static_assert(kSmemBytes <= kMaxSmemPerBlock, "pipeline + epilogue staging exceed shared memory");
+};
+
+// The FP8 (e4m3) tile: 128 x kBN outputs, K consumed in 128-deep stages (one 128-byte swizzle
+// row of e4m3, and one scale block of the FP8 recipe, docs/fp8.md), both operands K-major (FP8
+// wgmma reads no other layout). Each stage also carries the A tile's 128 row scales of its K
+// block (fp32, loaded by TMA with the codes). The consumers' wgmma batch of a stage accumulates
+// into a second fp32 fragment that is promoted into the main one with the block scales after
+// the batch (sm90_roles.cuh, mma_mainloop_fp8): two 64 x kBN fragments per thread, so kBN is
+// at most 128 (2 x 64 registers beside the epilogue's). A tile of more columns (GEMM 1: 128
+// gate | 128 up) runs kBN / kMmaN wgmma batches of kMmaN columns per stage, one after the
+// other, through the same promotion fragment (kBN + kMmaN fp32 registers).
+template <int BN, int Stages, int ClusterM, int MmaN = BN>
+struct Fp8TileConfig {
+  static constexpr int kBM = 128;
+  static constexpr int kBN = BN;
+  static constexpr int kMmaN = MmaN;
+  static constexpr int kBK = 128;
+  static constexpr int kStages = Stages;
+  static constexpr Major kAMajor = Major::kK;
+  static constexpr Major kBMajor = Major::kK;
+  static constexpr int kClusterM = ClusterM;
+  static constexpr bool kFp8 = true;
+  static_assert(ClusterM == 1, "FP8 tiles run without clusters for now");
+
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kWGRows = kBM / kConsumerWGs;
+  static constexpr int kThreads = kWarpGroupThreads * (1 + kConsumerWGs);
+  static constexpr int kConsumerThreads = kWarpGroupThreads * kConsumerWGs;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kProducerRegs * kWarpGroupThreads + kConsumerRegs * kConsumerThreads <= 65536,
+                "register budget of one SM exceeded");
+  static_assert(kMmaN % 64 == 0 && kMmaN <= 128 && kBN % kMmaN == 0 && kBN <= 256,
+                "a 64 x kBN fragment and a 64 x kMmaN promotion fragment per thread");
+
+  static constexpr int kABytes = kBM * kBK;  // e4m3: one byte an element
+  static constexpr int kBBytes = kBN * kBK;
+  static constexpr int kAScaleBytes = kBM * 4;
+  static constexpr int kStageBytes = kABytes + kBBytes + kAScaleBytes;  // expect_tx of one stage
+
+  static constexpr int kEpiBoxBytes = 64 * kBoxInner * 2;
+  static constexpr int kEpiBoxes = 2;
+  static constexpr int kEpiCols = kEpiBoxes * kBoxInner;
+  static constexpr int kEpiBufferBytes = kEpiBoxes * kEpiBoxBytes;
+  static constexpr int kEpiBytesPerWG = kEpiBuffers * kEpiBufferBytes;
+
+  static constexpr int kBarrierBytes = 1024;
+  // The scale ring sits behind the 1024-aligned tiles; the storage rounds up to 1 KiB.
+  static constexpr int kSmemBytes = kStages * (kABytes + kBBytes) + (kStages * kAScaleBytes + 1023) / 1024 * 1024 +
+                                    kConsumerWGs * kEpiBytesPerWG + kBarrierBytes + 1024 /*align*/;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "pipeline + epilogue staging exceed shared memory");
 };
 

@@ -38,7 +38,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 namespace {
 
 CUtensorMap map_2d_or_3d(CUtensorMapDataType type, int elem_bytes, const void* base, int64_t batch, int64_t rows,
-                         int64_t cols, int box_cols, int box_rows, const char* what, int64_t batch_stride) {
+                         int64_t cols, int box_cols, int box_rows, const char* what, int64_t batch_stride,
+                         CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   CUtensorMap map;
   const int64_t stride = batch_stride > 0 ? batch_stride : rows * cols;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
@@ -49,7 +50,7 @@ CUtensorMap map_2d_or_3d(CUtensorMapDataType type, int elem_bytes, const void* b
   const cuuint32_t rank = batch > 0 ? 3 : 2;
   const CUresult r = tensor_map_encoder()(
       &map, type, rank, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     throw Error(Status::kCudaError, std::string("mok gemm: cuTensorMapEncodeTiled for ") + what + " [" +
                                         std::to_string(batch) + ", " + std::to_string(rows) + ", " +
@@ -71,6 +72,17 @@ CUtensorMap map_f32(const void* base, int64_t batch, int64_t rows, int64_t cols,
                     const char* what, int64_t batch_stride) {
   return map_2d_or_3d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, batch, rows, cols, box_cols, box_rows, what,
                       batch_stride);
+}
+
+CUtensorMap map_e4m3(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols, int box_rows,
+                     const char* what, int64_t batch_stride) {
+  return map_2d_or_3d(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, batch, rows, cols, box_cols, box_rows, what,
+                      batch_stride);
+}
+
+CUtensorMap map_f32_plain(const void* base, int64_t rows, int64_t cols, int box_cols, const char* what) {
+  return map_2d_or_3d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, 0, rows, cols, box_cols, 1, what, 0,
+                      CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 void check_multiple(const char* argument, int64_t value, int64_t multiple) {

@@ -22,6 +22,12 @@ CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols
 // The same for fp32 (box_cols <= 32: 128-byte box rows under the swizzle).
 CUtensorMap map_f32(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
                     int box_rows, const char* what, int64_t batch_stride = 0);
+// e4m3 codes (bytes) [batch,] rows, cols with the 128-byte swizzle (box_cols <= 128).
+CUtensorMap map_e4m3(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
+                     int box_rows, const char* what, int64_t batch_stride = 0);
+// fp32 [rows, cols] without swizzle, boxes of box_cols x 1 (the FP8 A scales: one K block's
+// row scales of a tile, contiguous).
+CUtensorMap map_f32_plain(const void* base, int64_t rows, int64_t cols, int box_cols, const char* what);
 
 // Throws unless `value` is a positive multiple of `multiple`.
 void check_multiple(const char* argument, int64_t value, int64_t multiple);

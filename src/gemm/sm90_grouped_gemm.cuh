@@ -67,6 +67,8 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   auto tCrB = thr.make_fragment_B(thr.partition_B(smem_b(ss)));
   auto acc = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kBN>{}));
   static_assert(decltype(cute::size(acc))::value == Cfg::kBN / 2, "64xBN fragment per thread");
+  // FP8 tiles: the fragment each stage's wgmma batch sums into before its promotion.
+  [[maybe_unused]] auto part = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kMmaN>{}));
 
   const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
 
@@ -127,7 +129,11 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
         (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
       }(std::make_integer_sequence<int, kPieces - 1>{});
     };
-    ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, mark_tile, during_k_loop);
+    if constexpr (Cfg::kFp8) {
+      ok = mma_mainloop_fp8<Kind>(p, tile, ss, st, k_steps, mma, tCrA, tCrB, acc, part, ctx, mark_tile, during_k_loop);
+    } else {
+      ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, mark_tile, during_k_loop);
+    }
     if (!ok) break;
     MOK_GEMM_MARK(p.err, mark_tile, 3, clock64());
     if constexpr (kDeferred) {

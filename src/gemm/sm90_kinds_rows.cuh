@@ -110,9 +110,10 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
   // store_gu false: the g and u rounds issue no TMA store (zero-column boxes; their bulk groups
   // stay, empty, so the group accounting is unchanged): h alone is written. The fused forward's
   // macrobatch ring passes it for row tiles whose saved context the ring will not keep.
-  template <class Acc>
-  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
-                                  bool store_gu = true) {
+  // P: Gemm1SwigluParams or any params with the maps g, u, h and `inter` (the FP8 kind's).
+  template <class P, class Acc>
+  __device__ static void epilogue(const P& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+                                  bool store_gu = true, int h_cols = -1) {
     // Three rounds over the same 64 x 128 block: g (values i, i+1), u (i+64, i+65), then
     // h = silu(g) * u from the rounded g, u. The h math runs between the u round and the h
     // round, in place (bf16x2 h into acc(i)), so it overlaps the TMA store of the u round
@@ -130,7 +131,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     for (int i = 0; i < 64; i += 2) {
       acc(i) = __uint_as_float(h_pair(pack_bf16x2(acc(i), acc(i + 1)), pack_bf16x2(acc(i + 64), acc(i + 65)), real(i)));
     }
-    store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h, p.inter));
+    store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h, h_cols < 0 ? p.inter : h_cols));
   }
 
   // The standalone cluster-1 kernel defers the epilogue (consumer_warpgroup): the finished

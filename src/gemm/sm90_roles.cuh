@@ -11,6 +11,8 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 
+#include <type_traits>
+
 #include "gemm/gemm_config.hpp"
 #include "gemm/sm90_pipeline.cuh"
 
@@ -24,6 +26,15 @@ inline constexpr uint64_t kCacheNormal = static_cast<uint64_t>(cute::TMA::CacheH
 
 // ---- Shared memory -----------------------------------------------------------------------
 
+// FP8 tiles: stage s also holds the 128 fp32 scales of the A tile's rows for its K block
+// (TMA-loaded with the codes, counted in the stage's expect_tx). Empty for bf16 tiles.
+template <class Cfg, bool = Cfg::kFp8>
+struct AScaleRing {};
+template <class Cfg>
+struct AScaleRing<Cfg, true> {
+  alignas(128) float sa[Cfg::kStages][Cfg::kBM];
+};
+
 template <class Cfg>
 struct alignas(1024) SharedStorage {
   // Stage s: A tile [128 x 64] then B tile [BN x 64], each in the 128B-swizzled layout that
@@ -31,6 +42,7 @@ struct alignas(1024) SharedStorage {
   alignas(1024) uint8_t a[Cfg::kStages][Cfg::kABytes];
   alignas(1024) uint8_t b[Cfg::kStages][Cfg::kBBytes];
   alignas(1024) uint8_t epi[Cfg::kConsumerWGs][Cfg::kEpiBytesPerWG];
+  [[no_unique_address]] AScaleRing<Cfg> scales;  // FP8 tiles only: the A row scales of each stage
   StageBarriers<Cfg::kStages> bars;
   // The segment offsets (experts + 1 entries) when they fit in the rest of the barrier block
   // (tile_scheduler.cuh, SegOffsets).
@@ -52,10 +64,13 @@ __device__ inline uint32_t cache_segment_offsets(SharedStorage<Cfg>& ss, const S
 
 // CuTe view of the operand ring: (rows, 64, stages). MN-major tiles are laid out as TMA
 // writes them: 64-wide boxes of the contiguous dimension, each holding all 64 K.
-template <Major M, int Rows, int Stages>
+// FP8 tiles: e4m3 with 128-deep K (one 128-byte swizzle row), K-major only.
+template <class Cfg>
+using OperandT = std::conditional_t<Cfg::kFp8, cute::float_e4m3_t, cute::bfloat16_t>;
+
+template <Major M, int Rows, int Stages, class T = cute::bfloat16_t, int BK = 64>
 __device__ inline auto smem_operand_layout() {
-  using T = cute::bfloat16_t;
-  auto shape = cute::make_shape(cute::Int<Rows>{}, cute::Int<64>{}, cute::Int<Stages>{});
+  auto shape = cute::make_shape(cute::Int<Rows>{}, cute::Int<BK>{}, cute::Int<Stages>{});
   if constexpr (M == Major::kK) {
     return cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<T>{}, shape);
   } else {
@@ -66,13 +81,20 @@ __device__ inline auto smem_operand_layout() {
 // The A and B stage rings as CuTe tensors (rows, 64, stages) in the kinds' layouts.
 template <class Cfg>
 __device__ inline auto smem_a(SharedStorage<Cfg>& ss) {
-  return cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.a[0])),
-                           smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages>());
+  using T = OperandT<Cfg>;
+  return cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<T*>(ss.a[0])),
+                           smem_operand_layout<Cfg::kAMajor, Cfg::kBM, Cfg::kStages, T, Cfg::kBK>());
 }
+// B is viewed as (kMmaN, BK, stages * kBN / kMmaN): the K-major tile of kBN rows is kBN / kMmaN
+// consecutive blocks of kMmaN rows, so block h of stage s is index s * kBN / kMmaN + h (bf16
+// tiles: kMmaN == kBN, the plain stage ring).
 template <class Cfg>
 __device__ inline auto smem_b(SharedStorage<Cfg>& ss) {
-  return cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<cute::bfloat16_t*>(ss.b[0])),
-                           smem_operand_layout<Cfg::kBMajor, Cfg::kBN, Cfg::kStages>());
+  using T = OperandT<Cfg>;
+  constexpr int kParts = Cfg::kBN / Cfg::kMmaN;
+  static_assert(kParts == 1 || Cfg::kBMajor == Major::kK, "column blocks of a K-major B tile only");
+  return cute::make_tensor(cute::make_smem_ptr(reinterpret_cast<T*>(ss.b[0])),
+                           smem_operand_layout<Cfg::kBMajor, Cfg::kMmaN, Cfg::kStages * kParts, T, Cfg::kBK>());
 }
 
 template <Major M>
@@ -84,8 +106,8 @@ constexpr cute::GMMA::Major gmma_major() {
 // owns tile rows [64w, 64w+64).
 template <class Cfg>
 __device__ inline auto make_consumer_mma() {
-  using T = cute::bfloat16_t;
-  auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kBN>, cute::_64>,
+  using T = OperandT<Cfg>;
+  auto op = cute::GMMA::ss_op_selector<T, T, float, cute::Shape<cute::_64, cute::Int<Cfg::kMmaN>, cute::Int<Cfg::kBK>>,
                                        gmma_major<Cfg::kAMajor>(), gmma_major<Cfg::kBMajor>()>();
   return cute::make_tiled_mma(op, cute::Layout<cute::Shape<cute::Int<Cfg::kConsumerWGs>, _1, _1>>{});
 }
@@ -178,7 +200,12 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       if (!wait_barrier(&ss.bars.empty[st.index], st.phase, p.err)) return;
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
                                                                      Cfg::kStageBytes);
-      Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
+      if constexpr (Cfg::kFp8) {
+        Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], ss.scales.sa[st.index], &ss.bars.full[st.index],
+                         rank);
+      } else {
+        Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
+      }
       if (k == 0) MOK_GEMM_MARK(p.err, local, 9, clock64());
       st.advance();
     }
@@ -386,6 +413,67 @@ __device__ inline void store_round(const EpiCtx& ctx, PairFn pair, IssueFn issue
     cute::tma_store_arrive();
   }
   after(stage_saddr);
+}
+
+// ---- FP8 consumer mainloop -------------------------------------------------------------
+
+// K loop of one FP8 tile for one consumer warpgroup (the recipe's two-level accumulation,
+// docs/fp8.md). For each column block c of kMmaN columns (kBN / kMmaN of them: GEMM 1's gate
+// and up blocks), a wgmma batch (4 x k32) sums the stage's 128-deep K block into `part`
+// (starting from zero); once it retired, its values are promoted into the block's values of
+// `acc` (acc(64 c + i), the fragment order of the whole tile):
+//   acc = fmaf(part, sa[row] * sb, acc)
+// with sa the A row's scale of the K block (from the stage) and sb = Kind::b_scale(p, tile, k, c)
+// the weight block's (uniform over a column block: kMmaN <= 128 columns of one 128-row block).
+// The promotion needs the batch retired, so a warpgroup keeps none in flight across it; the two
+// consumer warpgroups alternate on the tensor cores. The K order is fixed: bitwise reproducible.
+// The stage is released once its last batch retired (its scales were read before).
+template <class Kind, class Cfg, class Tile, class Mma, class FragA, class FragB, class Acc, class Part,
+          class Hook = NoHook>
+__device__ bool mma_mainloop_fp8(const typename Kind::Params& p, const Tile& tile, SharedStorage<Cfg>& ss,
+                                 PipeState<Cfg::kStages>& st, int k_steps, Mma& mma, const FragA& tCrA,
+                                 const FragB& tCrB, Acc& acc, Part& part, const EpiCtx& ctx, int trace_tile = -1,
+                                 Hook during_k_loop = {}) {
+  using cute::_;
+  constexpr int kParts = Cfg::kBN / Cfg::kMmaN;
+  constexpr int kPartSize = decltype(cute::size(part))::value;
+  static_assert(kPartSize * kParts == decltype(cute::size(acc))::value, "column blocks tile the fragment");
+  (void)trace_tile;
+  if (k_steps <= 0) during_k_loop(-1);
+  const int r0 = ctx.row_in_tile(0), r1 = ctx.row_in_tile(1);
+  for (int k = 0; k < k_steps; ++k) {
+    float sb[kParts];
+#pragma unroll
+    for (int c = 0; c < kParts; ++c) sb[c] = Kind::b_scale(p, tile, k, c);
+    if (!wait_barrier(&ss.bars.full[st.index], st.phase, p.err)) return false;
+    if (k == 0) MOK_GEMM_MARK(p.err, trace_tile, 2, clock64());
+    const float sa0 = ss.scales.sa[st.index][r0], sa1 = ss.scales.sa[st.index][r1];
+#pragma unroll
+    for (int c = 0; c < kParts; ++c) {
+      cute::warpgroup_fence_operand(part);
+      cute::warpgroup_arrive();
+      mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int kb = 0; kb < cute::size<2>(tCrA); ++kb) {
+        cute::gemm(mma, tCrA(_, _, kb, st.index), tCrB(_, _, kb, st.index * kParts + c), part);
+        mma.accumulate_ = cute::GMMA::ScaleOut::One;
+      }
+      cute::warpgroup_commit_batch();
+      if (c == 0) during_k_loop(k);
+      cute::warpgroup_wait<0>();
+      cute::warpgroup_fence_operand(part);
+      if (c == kParts - 1) {
+        release_stage(ss, st.index, ctx.tid);
+        st.advance();
+      }
+      const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
+#pragma unroll
+      for (int i = 0; i < kPartSize; ++i) {
+        acc(kPartSize * c + i) = fmaf(part(i), (i / 2) % 2 ? s1 : s0, acc(kPartSize * c + i));
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace mok::gemm

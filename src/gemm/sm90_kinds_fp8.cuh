@@ -1,0 +1,218 @@
+// The FP8 row-grouped kinds (docs/fp8.md): the bf16 kinds' tiles, scheduler and epilogues over
+// e4m3 operands with block scales. A kind adds to the bf16 kinds' interface:
+//   load_stage(p, tile, k, smem_a, smem_b, smem_a_scales, full_bar, rank)  the codes of K block k
+//                                                      and the A tile's row scales of that block
+//   b_scale(p, tile, k, c)                             the scale of the weight block under column
+//                                                      block c (kMmaN columns) of the tile
+// and runs mma_mainloop_fp8 (sm90_roles.cuh), chosen by its Fp8TileConfig.
+#pragma once
+
+#include <cuda.h>
+
+#include <climits>
+
+#include "gemm/fp8_math.cuh"
+#include "gemm/grouped_gemm_fp8.hpp"
+#include "gemm/sm90_kinds_rows.cuh"
+
+namespace mok::gemm {
+
+// Stages of the FP8 tiles beside the two 16 KiB epilogue buffers: 5 x (16 + 16 + 0.5) KiB for
+// 128-column tiles, 3 x (16 + 32 + 0.5) KiB for GEMM 1's 256 (4 exceed shared memory by 1 KiB).
+inline constexpr int kFp8PipeStages = 5;
+inline constexpr int kFp8Gemm1Stages = 3;
+
+// ---- GEMM 2 ------------------------------------------------------------------------------
+// Tile: 128 rows x 128 output columns (one weight block row); K blocks of 128.
+struct Gemm2Fp8Params {
+  CUtensorMap h;          // codes [rows, I], box 128 x 128
+  CUtensorMap h_scales;   // fp32 [ceil(I / 128), rows], box 128 x 1
+  CUtensorMap w_down;     // codes [E, H, I], box 128 x 128 x 1
+  const float* w_scales;  // [E][ceil(H / 128)][ceil(I / 128)]
+  CUtensorMap out;        // bf16 [rows, H], box 64 x 64
+  RowScheduler sched;     // n_tiles = ceil(H / 128)
+  int k_steps;            // ceil(I / 128)
+  int hidden;
+  ErrorSink err;
+};
+
+template <int C>
+struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>> {
+  using Cfg = Fp8TileConfig<128, kFp8PipeStages, C>;
+  using Params = Gemm2Fp8Params;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.h);
+    cute::prefetch_tma_descriptor(&p.h_scales);
+    cute::prefetch_tma_descriptor(&p.w_down);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+                                    uint64_t* bar, int) {
+    tma_load_2d(&p.h, bar, a, 128 * k, t.row0);
+    tma_load_2d(&p.h_scales, bar, sa, t.row0, k);
+    tma_load_3d(&p.w_down, bar, b, 128 * k, 128 * t.n_tile, t.expert);
+  }
+  __device__ static float b_scale(const Params& p, const RowTile& t, int k, int) {
+    return __ldg(p.w_scales + (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * p.k_steps + k);
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    pack_rows_bf16(ctx, acc, t.real_rows);
+    store_packed<0, 0, 0>(ctx, acc, &p.out, 128 * t.n_tile, p.hidden, t.row0);
+  }
+};
+
+// ---- dgrad of GEMM 1 -------------------------------------------------------------------
+// dx = [dg | du] x [W_gate ; W_up]: K blocks 0 .. kg-1 read (dg, W_gate^T), the rest (du,
+// W_up^T), kg = ceil(I / 128) (each half quantized on its own: its last block may be partial).
+// FP8 wgmma reads B K-major, so B is the transposed weight copy W^T [E, H, I] (128x128 blocks:
+// the weight's codes and scales transposed, fp8_quantize.hpp). Tile as GEMM 2's.
+struct DgradInputFp8Params {
+  CUtensorMap dg, du;              // codes [rows, I], box 128 x 128
+  CUtensorMap dg_scales, du_scales;  // fp32 [ceil(I / 128), rows], box 128 x 1
+  CUtensorMap wg_t, wu_t;          // codes [E, H, I], box 128 x 128 x 1
+  const float* wg_t_scales;        // [E][ceil(H / 128)][ceil(I / 128)]
+  const float* wu_t_scales;
+  CUtensorMap dx;                  // bf16 [rows, H], box 64 x 64
+  RowScheduler sched;              // n_tiles = ceil(H / 128)
+  int k_steps;                     // 2 ceil(I / 128)
+  int hidden;
+  ErrorSink err;
+};
+
+template <int C>
+struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>> {
+  using Cfg = Fp8TileConfig<128, kFp8PipeStages, C>;
+  using Params = DgradInputFp8Params;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.dg);
+    cute::prefetch_tma_descriptor(&p.du);
+    cute::prefetch_tma_descriptor(&p.wg_t);
+    cute::prefetch_tma_descriptor(&p.wu_t);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+                                    uint64_t* bar, int) {
+    const int half = p.k_steps / 2;
+    const bool up = k >= half;
+    const int kk = up ? k - half : k;
+    tma_load_2d(up ? &p.du : &p.dg, bar, a, 128 * kk, t.row0);
+    tma_load_2d(up ? &p.du_scales : &p.dg_scales, bar, sa, t.row0, kk);
+    tma_load_3d(up ? &p.wu_t : &p.wg_t, bar, b, 128 * kk, 128 * t.n_tile, t.expert);
+  }
+  __device__ static float b_scale(const Params& p, const RowTile& t, int k, int) {
+    const int half = p.k_steps / 2;
+    const bool up = k >= half;
+    return __ldg((up ? p.wu_t_scales : p.wg_t_scales) +
+                 (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * half + (up ? k - half : k));
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    pack_rows_bf16(ctx, acc, t.real_rows);
+    store_packed<0, 0, 0>(ctx, acc, &p.dx, 128 * t.n_tile, p.hidden, t.row0);
+  }
+};
+
+// ---- GEMM 1 + SwiGLU, h quantized for GEMM 2 --------------------------------------------
+// Tile: 128 rows x (128 gate | 128 up) columns of the same intermediate indices (the bf16
+// kind's tile), two 128-column wgmma batches per K block. The epilogue is the bf16 kind's (g,
+// u, h rounds: the same bits from the same accumulators), then h's 128 columns of each row,
+// one 1x128 block of GEMM 2's operand, are quantized from the rounded h in registers:
+// amax over the row's four threads, the power-of-two scale, the e4m3 codes (fp8_math.cuh,
+// the quantizers' math), codes and scale stored to global memory.
+struct Gemm1SwigluFp8Params {
+  CUtensorMap x;                 // codes [rows, H], box 128 x 128
+  CUtensorMap x_scales;          // fp32 [ceil(H / 128), rows], box 128 x 1
+  CUtensorMap w_gate, w_up;      // codes [E, I, H], box 128 x 128 x 1
+  const float* wg_scales;        // [E][ceil(I / 128)][ceil(H / 128)]
+  const float* wu_scales;
+  CUtensorMap h, g, u;           // bf16 [rows, I], box 64 x 64
+  int h_cols;                    // I, or 0 when h (bf16) is not wanted (its rounds store nothing)
+  uint8_t* h_codes;              // [rows, I]
+  float* h_scales;               // [ceil(I / 128)][rows]
+  int64_t rows;                  // buffer rows (h_scales' row stride)
+  NonFiniteRecord* nonfinite;    // the first non-finite h (index row * I + col)
+  RowScheduler sched;            // n_tiles = ceil(I / 128)
+  int k_steps;                   // ceil(H / 128)
+  int inter;                     // I
+  ErrorSink err;
+};
+
+template <int C>
+struct Gemm1SwigluFp8Kind
+    : RowKindBase<Gemm1SwigluFp8Kind<C>, Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>> {
+  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>;
+  using Params = Gemm1SwigluFp8Params;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.x);
+    cute::prefetch_tma_descriptor(&p.x_scales);
+    cute::prefetch_tma_descriptor(&p.w_gate);
+    cute::prefetch_tma_descriptor(&p.w_up);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+                                    uint64_t* bar, int) {
+    tma_load_2d(&p.x, bar, a, 128 * k, t.row0);
+    tma_load_2d(&p.x_scales, bar, sa, t.row0, k);
+    tma_load_3d(&p.w_gate, bar, b, 128 * k, 128 * t.n_tile, t.expert);
+    tma_load_3d(&p.w_up, bar, b + Cfg::kBBytes / 2, 128 * k, 128 * t.n_tile, t.expert);
+  }
+  __device__ static float b_scale(const Params& p, const RowTile& t, int k, int c) {
+    const float* s = c == 0 ? p.wg_scales : p.wu_scales;
+    return __ldg(s + (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * p.k_steps + k);
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    Gemm1SwigluKind<1>::epilogue(p, t, ctx, acc, true, p.h_cols);
+    quantize_h(p, t, ctx, acc);
+  }
+
+  // acc(i), i even < 64: the bf16 pair of h of fragment values (i, i + 1), row (i / 2) % 2.
+  template <class Acc>
+  __device__ static void quantize_h(const Params& p, const RowTile& t, const EpiCtx& ctx, const Acc& acc) {
+    uint32_t amax[2] = {0u, 0u};
+    int bad_col[2] = {INT_MAX, INT_MAX};  // the thread's first non-finite column of each row
+    const int col0 = 128 * t.n_tile;
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const uint32_t bits = __float_as_uint(acc(i));
+      const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
+      const uint16_t lo = static_cast<uint16_t>(bits), hi = static_cast<uint16_t>(bits >> 16);
+      if (!bf16_finite(lo)) bad_col[v1] = min(bad_col[v1], col);
+      if (!bf16_finite(hi)) bad_col[v1] = min(bad_col[v1], col + 1);
+      amax[v1] = max(amax[v1], max(abs_bits(lo), abs_bits(hi)));
+    }
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      // The row's 128 columns sit in the 4 threads of a quad (lanes 4q .. 4q + 3).
+      amax[v1] = max(amax[v1], __shfl_xor_sync(0xffffffffu, amax[v1], 1));
+      amax[v1] = max(amax[v1], __shfl_xor_sync(0xffffffffu, amax[v1], 2));
+      if (bad_col[v1] != INT_MAX) {
+        const int64_t row = t.row0 + ctx.row_in_tile(v1);
+        atomicMin(&p.nonfinite->first, static_cast<unsigned long long>(row * p.inter + bad_col[v1]));
+      }
+      // A non-finite h makes the block's amax non-finite: its codes are then garbage, and the
+      // record turns the call into an error (check_nonfinite).
+    }
+    int k[2];
+    float inv[2];
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) {
+      k[v1] = scale_exponent_bits(amax[v1]);
+      inv[v1] = pow2_bits(-k[v1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
+      const uint32_t bits = __float_as_uint(acc(i));
+      if (col < p.inter) {
+        const int64_t row = t.row0 + ctx.row_in_tile(v1);
+        const uint16_t q = encode2(static_cast<uint16_t>(bits), static_cast<uint16_t>(bits >> 16), inv[v1]);
+        *reinterpret_cast<uint16_t*>(p.h_codes + row * p.inter + col) = q;
+      }
+    }
+    if (ctx.tid % 4 == 0) {
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) p.h_scales[t.n_tile * p.rows + t.row0 + ctx.row_in_tile(v1)] = pow2_bits(k[v1]);
+    }
+  }
+};
+
+}  // namespace mok::gemm

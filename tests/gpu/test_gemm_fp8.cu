@@ -1,0 +1,429 @@
+// GPU tests of the FP8 kinds of the grouped GEMM engine (src/gemm/sm90_kinds_fp8.cuh) against
+// the CPU reference of the FP8 recipe (src/reference/fp8.hpp, docs/fp8.md): operands quantized
+// on the CPU, every output within 2e-3 (relative norm) of ref::dot_fp8 rounded to bf16 (only
+// the order of the sum inside a 128-wide block is the tensor core's), padding rows zero,
+// partial 128-blocks along N and K, empty experts, bitwise determinism across grid sizes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <algorithm>
+
+#include "gemm/grouped_gemm_fp8.hpp"
+#include "mok/error.hpp"
+#include "reference/fp8.hpp"
+#include "test_gemm_util.hpp"
+
+namespace mok::gemm_test {
+namespace {
+
+using gemm::bf16;
+constexpr double kTol = 2e-3;
+const int kGrids[] = {0, 132, 66, 7};
+
+#define SKIP_WITHOUT_GPU() \
+  if (!has_gpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)"
+
+struct Shape {
+  std::vector<int> rows, extra;
+  int64_t H, I;
+};
+
+// Weights [E, n, k] with a magnitude that changes from one 128x128 block to the next (so the
+// block scales differ), quantized per expert.
+struct QuantWeights {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;          // [E][ceil(n/128)][ceil(k/128)]
+  std::vector<ref::Fp8Tensor> per_e;  // the reference's view
+  std::vector<float> exact;           // the bf16 values (for the FP8-vs-BF16 error)
+};
+
+QuantWeights make_weights(int E, int64_t n, int64_t k, uint32_t seed) {
+  QuantWeights w;
+  Bits b = random_bits(static_cast<size_t>(E) * n * k, seed, 0.1f);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c) {
+        const int mag = static_cast<int>((e + r / 128 + 2 * (c / 128)) % 5) - 2;  // 2^-2 .. 2^2
+        uint16_t& v = b[(e * n + r) * k + c];
+        v = to_bf16(from_bf16(v) * std::ldexp(1.0f, mag));
+      }
+  w.exact = to_float(b);
+  for (int e = 0; e < E; ++e) {
+    w.per_e.push_back(ref::quantize_blocks_128x128(b.data() + e * n * k, n, k, "w"));
+    const auto& q = w.per_e.back();
+    w.codes.insert(w.codes.end(), q.data.begin(), q.data.end());
+    w.scales.insert(w.scales.end(), q.scales.begin(), q.scales.end());
+  }
+  return w;
+}
+
+// Rows [buffer_rows, k] (padding rows zero) quantized 1x128; scales re-laid K-block major.
+struct QuantRows {
+  ref::Fp8Tensor q;
+  std::vector<float> scales_kmajor;  // [ceil(k/128)][buffer_rows]
+  std::vector<float> exact;
+};
+
+QuantRows make_rows(const SegmentLayout& l, int64_t k, uint32_t seed) {
+  QuantRows a;
+  Bits b = random_rows(l, k, seed, 1.0f);
+  // Rows of very different magnitudes: each row's scales differ.
+  for (int64_t r = 0; r < l.buffer_rows; ++r)
+    for (int64_t c = 0; c < k; ++c) {
+      uint16_t& v = b[r * k + c];
+      v = to_bf16(from_bf16(v) * std::ldexp(1.0f, static_cast<int>(r % 7) - 3));
+    }
+  a.exact = to_float(b);
+  a.q = ref::quantize_rows_1x128(b.data(), l.buffer_rows, k, "h");
+  const int64_t kb = a.q.scale_cols();
+  a.scales_kmajor.resize(static_cast<size_t>(kb * l.buffer_rows));
+  for (int64_t r = 0; r < l.buffer_rows; ++r)
+    for (int64_t j = 0; j < kb; ++j) a.scales_kmajor[j * l.buffer_rows + r] = a.q.scales[r * kb + j];
+  return a;
+}
+
+template <class T>
+DeviceBuffer<T> device(const std::vector<T>& v) {
+  DeviceBuffer<T> d(v.size());
+  d.upload(v);
+  return d;
+}
+
+void test_gemm2_fp8(const Shape& s, uint32_t seed) {
+  const SegmentLayout l = make_layout(s.rows, s.extra);
+  const int E = static_cast<int>(s.rows.size());
+  const int64_t R = l.buffer_rows, H = s.H, I = s.I;
+  const QuantRows h = make_rows(l, I, seed);
+  const QuantWeights w = make_weights(E, H, I, seed + 1);
+
+  // Reference: ref::dot_fp8 per output, rounded to bf16; and the exact bf16-input product.
+  std::vector<float> ref(R * H, 0.0f), exact(R * H, 0.0f);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
+      for (int64_t n = 0; n < H; ++n) {
+        ref[r * H + n] = from_bf16(to_bf16(ref::dot_fp8(h.q, r, w.per_e[e], n)));
+        double d = 0;
+        for (int64_t c = 0; c < I; ++c) d += double(h.exact[r * I + c]) * w.exact[(e * H + n) * I + c];
+        exact[r * H + n] = static_cast<float>(d);
+      }
+
+  DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
+  DeviceBuffer<uint32_t> d_err(1);
+  cudaMemset(d_err.ptr, 0, sizeof(uint32_t));
+  auto d_hc = device(h.q.data), d_wc = device(w.codes);
+  auto d_hs = device(h.scales_kmajor), d_ws = device(w.scales);
+  DeviceBuffer<uint16_t> out(R * H);
+
+  gemm::Gemm2Fp8Args a;
+  a.seg = {d_off.ptr, d_rows.ptr, E, R};
+  a.hidden = H;
+  a.intermediate = I;
+  a.h = {d_hc.ptr, d_hs.ptr};
+  a.w_down = {d_wc.ptr, d_ws.ptr};
+  a.out = reinterpret_cast<bf16*>(out.ptr);
+
+  Bits first;
+  for (int grid : kGrids) {
+    out.poison();
+    gemm::gemm2_fp8(a, {grid, d_err.ptr, 10.0, 0}, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(d_err.download()[0], 0u) << "kernel error flag";
+    const Bits got = out.download();
+    if (first.empty()) {
+      first = got;
+      const auto gf = real_rows_of(l, to_float(got), H);
+      const double err = rel_err(gf, real_rows_of(l, ref, H));
+      const double vs_bf16 = rel_err(gf, real_rows_of(l, exact, H));
+      std::printf("gemm2_fp8 H=%lld I=%lld: rel err vs ref::dot_fp8 %.3g, vs the bf16-input product %.3g\n",
+                  static_cast<long long>(H), static_cast<long long>(I), err, vs_bf16);
+      EXPECT_LE(err, kTol);
+      EXPECT_LE(vs_bf16, 0.1) << "FP8 quantization error far beyond e4m3's (a few percent)";
+      expect_padding_zero(l, got, H, "gemm2_fp8 out");
+    } else {
+      expect_bitwise_equal(got, first, "gemm2_fp8 out, grid " + std::to_string(grid));
+    }
+  }
+}
+
+// Partial blocks along N (320 = 2.5 x 128) and K (192 = 1.5 x 128), an empty expert, a
+// segment of whole padding tiles.
+TEST(GemmFp8, Gemm2PartialBlocks) { SKIP_WITHOUT_GPU(); test_gemm2_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 320, 192}, 11); }
+TEST(GemmFp8, Gemm2Larger) { SKIP_WITHOUT_GPU(); test_gemm2_fp8({{200, 513, 0, 384, 77, 640}, {}, 1024, 768}, 12); }
+TEST(GemmFp8, SanitizerSmallGemm2) { SKIP_WITHOUT_GPU(); test_gemm2_fp8({{70, 0, 129}, {0, 0, 1}, 128, 192}, 13); }
+
+// ---- dgrad of GEMM 1 ---------------------------------------------------------------------
+
+// W [E, n, k] -> W^T [E, k, n] per expert, quantized 128x128 (the transposed copy's codes).
+QuantWeights transposed(const QuantWeights& w, int E, int64_t n, int64_t k) {
+  QuantWeights t;
+  t.exact.resize(w.exact.size());
+  for (int e = 0; e < E; ++e) {
+    Bits bt(static_cast<size_t>(k * n));
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c) {
+        const float v = w.exact[(e * n + r) * k + c];
+        bt[c * n + r] = to_bf16(v);
+        t.exact[(e * k + c) * n + r] = v;
+      }
+    t.per_e.push_back(ref::quantize_blocks_128x128(bt.data(), k, n, "w^T"));
+    const auto& q = t.per_e.back();
+    t.codes.insert(t.codes.end(), q.data.begin(), q.data.end());
+    t.scales.insert(t.scales.end(), q.scales.begin(), q.scales.end());
+  }
+  return t;
+}
+
+// The two-level FP8 dot (docs/fp8.md) over consecutive K ranges in one accumulator: blocks of
+// a (row m) with w (row n), the first range's blocks first.
+float dot_fp8_ranges(const std::vector<std::pair<const ref::Fp8Tensor*, const ref::Fp8Tensor*>>& ranges, int64_t m,
+                     int64_t n) {
+  float acc = 0.0f;
+  for (const auto& [a, w] : ranges) {
+    for (int64_t b = 0; b < a->scale_cols(); ++b) {
+      float partial = 0.0f;
+      for (int64_t c = 128 * b; c < std::min<int64_t>(a->cols, 128 * b + 128); ++c) {
+        partial += ref::from_e4m3(a->data[m * a->cols + c]) * ref::from_e4m3(w->data[n * w->cols + c]);
+      }
+      acc = std::fmaf(partial, a->scale_at(m, 128 * b) * w->scale_at(n, 128 * b), acc);
+    }
+  }
+  return acc;
+}
+
+void test_dgrad_input_fp8(const Shape& s, uint32_t seed) {
+  const SegmentLayout l = make_layout(s.rows, s.extra);
+  const int E = static_cast<int>(s.rows.size());
+  const int64_t R = l.buffer_rows, H = s.H, I = s.I;
+  const QuantRows dg = make_rows(l, I, seed), du = make_rows(l, I, seed + 1);
+  const QuantWeights wg = make_weights(E, I, H, seed + 2), wu = make_weights(E, I, H, seed + 3);
+  const QuantWeights wgt = transposed(wg, E, I, H), wut = transposed(wu, E, I, H);  // [E, H, I]
+
+  std::vector<float> ref(R * H, 0.0f), exact(R * H, 0.0f);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
+      for (int64_t n = 0; n < H; ++n) {
+        ref[r * H + n] = round_bf16(dot_fp8_ranges({{&dg.q, &wgt.per_e[e]}, {&du.q, &wut.per_e[e]}}, r, n));
+        double d = 0;
+        for (int64_t c = 0; c < I; ++c) {
+          d += double(dg.exact[r * I + c]) * wg.exact[(e * I + c) * H + n] +
+               double(du.exact[r * I + c]) * wu.exact[(e * I + c) * H + n];
+        }
+        exact[r * H + n] = static_cast<float>(d);
+      }
+
+  DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
+  DeviceBuffer<uint32_t> d_err(1);
+  cudaMemset(d_err.ptr, 0, sizeof(uint32_t));
+  auto d_gc = device(dg.q.data), d_uc = device(du.q.data), d_wgc = device(wgt.codes), d_wuc = device(wut.codes);
+  auto d_gs = device(dg.scales_kmajor), d_us = device(du.scales_kmajor), d_wgs = device(wgt.scales),
+       d_wus = device(wut.scales);
+  DeviceBuffer<uint16_t> dx(R * H);
+  gemm::DgradInputFp8Args a;
+  a.seg = {d_off.ptr, d_rows.ptr, E, R};
+  a.hidden = H;
+  a.intermediate = I;
+  a.dg = {d_gc.ptr, d_gs.ptr};
+  a.du = {d_uc.ptr, d_us.ptr};
+  a.w_gate_t = {d_wgc.ptr, d_wgs.ptr};
+  a.w_up_t = {d_wuc.ptr, d_wus.ptr};
+  a.dx = reinterpret_cast<bf16*>(dx.ptr);
+  Bits first;
+  for (int grid : kGrids) {
+    dx.poison();
+    gemm::dgrad_input_fp8(a, {grid, d_err.ptr, 10.0, 0}, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(d_err.download()[0], 0u) << "kernel error flag";
+    const Bits got = dx.download();
+    if (first.empty()) {
+      first = got;
+      const auto gf = real_rows_of(l, to_float(got), H);
+      const double err = rel_err(gf, real_rows_of(l, ref, H));
+      const double vs_bf16 = rel_err(gf, real_rows_of(l, exact, H));
+      std::printf("dgrad_input_fp8 H=%lld I=%lld: rel err vs reference %.3g, vs the bf16-input product %.3g\n",
+                  static_cast<long long>(H), static_cast<long long>(I), err, vs_bf16);
+      EXPECT_LE(err, kTol);
+      EXPECT_LE(vs_bf16, 0.1);
+      expect_padding_zero(l, got, H, "dgrad_input_fp8 dx");
+    } else {
+      expect_bitwise_equal(got, first, "dgrad_input_fp8 dx, grid " + std::to_string(grid));
+    }
+  }
+}
+
+TEST(GemmFp8, DgradInputPartialBlocks) {
+  SKIP_WITHOUT_GPU();
+  test_dgrad_input_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 320, 192}, 31);
+}
+TEST(GemmFp8, DgradInputLarger) { SKIP_WITHOUT_GPU(); test_dgrad_input_fp8({{200, 513, 0, 384}, {}, 768, 512}, 32); }
+
+// ---- GEMM 1 + SwiGLU with h quantized ---------------------------------------------------
+
+float silu_mul_ref(float g, float u) { return round_bf16(g * sigmoid_ref(g) * u); }
+
+struct Gemm1Fp8Out {
+  Bits g, u, h;
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+};
+
+void test_gemm1_fp8(const Shape& s, uint32_t seed, bool poison_x_to_inf = false) {
+  const SegmentLayout l = make_layout(s.rows, s.extra);
+  const int E = static_cast<int>(s.rows.size());
+  const int64_t R = l.buffer_rows, H = s.H, I = s.I, kb = (I + 127) / 128;
+  const QuantRows x = make_rows(l, H, seed);
+  const QuantWeights wg = make_weights(E, I, H, seed + 1), wu = make_weights(E, I, H, seed + 2);
+
+  DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
+  DeviceBuffer<uint32_t> d_err(1);
+  cudaMemset(d_err.ptr, 0, sizeof(uint32_t));
+  auto d_xc = device(x.q.data), d_gc = device(wg.codes), d_uc = device(wu.codes);
+  auto d_xs = device(x.scales_kmajor), d_gs = device(wg.scales), d_us = device(wu.scales);
+  if (poison_x_to_inf) {
+    // The largest scales there are: every product overflows fp32, g and u are infinite.
+    std::vector<float> big(x.scales_kmajor.size(), std::ldexp(1.0f, 120));
+    d_xs.upload(big);
+    std::vector<float> bigw(wg.scales.size(), std::ldexp(1.0f, 120));
+    d_gs.upload(bigw);
+    d_us.upload(bigw);
+  }
+  DeviceBuffer<uint16_t> g(R * I), u(R * I), h(R * I);
+  DeviceBuffer<uint8_t> codes(R * I);
+  DeviceBuffer<float> scales(kb * R);
+  DeviceBuffer<gemm::NonFiniteRecord> rec(1);
+
+  gemm::Gemm1SwigluFp8Args a;
+  a.seg = {d_off.ptr, d_rows.ptr, E, R};
+  a.hidden = H;
+  a.intermediate = I;
+  a.x = {d_xc.ptr, d_xs.ptr};
+  a.w_gate = {d_gc.ptr, d_gs.ptr};
+  a.w_up = {d_uc.ptr, d_us.ptr};
+  a.g = reinterpret_cast<bf16*>(g.ptr);
+  a.u = reinterpret_cast<bf16*>(u.ptr);
+  a.h = reinterpret_cast<bf16*>(h.ptr);
+  a.h_codes = codes.ptr;
+  a.h_scales = scales.ptr;
+  a.nonfinite = rec.ptr;
+
+  auto run = [&](int grid, bool with_h) {
+    for (auto* b : {&g, &u, &h}) b->poison();
+    codes.poison();
+    scales.poison();
+    gemm::reset_nonfinite(rec.ptr, nullptr);
+    a.h = with_h ? reinterpret_cast<bf16*>(h.ptr) : nullptr;
+    gemm::gemm1_swiglu_fp8(a, {grid, d_err.ptr, 10.0, 0}, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(d_err.download()[0], 0u) << "kernel error flag";
+    return Gemm1Fp8Out{g.download(), u.download(), h.download(), codes.download(), scales.download()};
+  };
+
+  if (poison_x_to_inf) {
+    run(0, true);
+    try {
+      gemm::check_nonfinite(rec.ptr, I, "h", nullptr);
+      ADD_FAILURE() << "no error for an infinite h";
+    } catch (const mok::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("h at row"), std::string::npos) << e.what();
+    }
+    return;
+  }
+
+  // Reference g, u, h (padding rows zero).
+  std::vector<float> rg(R * I, 0.0f), ru(R * I, 0.0f), rh(R * I, 0.0f);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = round_bf16(ref::dot_fp8(x.q, r, wg.per_e[e], i));
+        const float uv = round_bf16(ref::dot_fp8(x.q, r, wu.per_e[e], i));
+        rg[r * I + i] = gv;
+        ru[r * I + i] = uv;
+        rh[r * I + i] = silu_mul_ref(gv, uv);
+      }
+
+  Gemm1Fp8Out first;
+  for (int grid : kGrids) {
+    Gemm1Fp8Out got = run(grid, true);
+    gemm::check_nonfinite(rec.ptr, I, "h", nullptr);  // throws (fails the test) on a recorded one
+    if (grid == kGrids[0]) {
+      for (auto [out, ref, name] : {std::tuple{&got.g, &rg, "g"}, std::tuple{&got.u, &ru, "u"},
+                                    std::tuple{&got.h, &rh, "h"}}) {
+        const double err = rel_err(real_rows_of(l, to_float(*out), I), real_rows_of(l, *ref, I));
+        std::printf("gemm1_swiglu_fp8 H=%lld I=%lld: %s rel err vs reference %.3g\n", static_cast<long long>(H),
+                    static_cast<long long>(I), name, err);
+        EXPECT_LE(err, kTol) << name;
+        expect_padding_zero(l, *out, I, name);
+      }
+      // h's codes and scales: the quantization of the kernel's own bf16 h, bit for bit, on every
+      // row of the segments (padding rows: codes 0, scale 1).
+      const int64_t rows = l.offsets.back();
+      const ref::Fp8Tensor q = ref::quantize_rows_1x128(got.h.data(), rows, I, "h");
+      std::vector<uint8_t> codes_seg(got.codes.begin(), got.codes.begin() + rows * I);
+      expect_bitwise_equal(codes_seg, q.data, "h codes");
+      std::vector<float> sc(kb * rows), sg(kb * rows);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < kb; ++j) {
+          sc[r * kb + j] = got.scales[j * R + r];
+          sg[r * kb + j] = q.scales[r * kb + j];
+        }
+      expect_bitwise_equal(sc, sg, "h scales");
+      first = got;
+    } else {
+      expect_bitwise_equal(got.g, first.g, "g, grid " + std::to_string(grid));
+      expect_bitwise_equal(got.u, first.u, "u, grid " + std::to_string(grid));
+      expect_bitwise_equal(got.h, first.h, "h, grid " + std::to_string(grid));
+      expect_bitwise_equal(got.codes, first.codes, "h codes, grid " + std::to_string(grid));
+      expect_bitwise_equal(got.scales, first.scales, "h scales, grid " + std::to_string(grid));
+    }
+  }
+  // Without the bf16 h: the same g, u, codes and scales.
+  Gemm1Fp8Out no_h = run(0, false);
+  expect_bitwise_equal(no_h.g, first.g, "g without h");
+  expect_bitwise_equal(no_h.codes, first.codes, "h codes without h");
+  expect_bitwise_equal(no_h.scales, first.scales, "h scales without h");
+}
+
+// Partial blocks along I (320) and H (192), an empty expert, a whole padding tile.
+TEST(GemmFp8, Gemm1SwigluPartialBlocks) {
+  SKIP_WITHOUT_GPU();
+  test_gemm1_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 192, 320}, 21);
+}
+TEST(GemmFp8, Gemm1SwigluLarger) { SKIP_WITHOUT_GPU(); test_gemm1_fp8({{200, 513, 0, 384}, {}, 512, 768}, 22); }
+TEST(GemmFp8, Gemm1SwigluNonFiniteHIsReported) {
+  SKIP_WITHOUT_GPU();
+  test_gemm1_fp8({{70, 129}, {}, 128, 128}, 23, true);
+}
+TEST(GemmFp8, SanitizerSmallGemm1) { SKIP_WITHOUT_GPU(); test_gemm1_fp8({{70, 0, 129}, {0, 0, 1}, 128, 192}, 24); }
+
+TEST(GemmFp8, RejectsBadArguments) {
+  gemm::Gemm2Fp8Args a;
+  int32_t dummy[4] = {};
+  alignas(16) static uint8_t buf[256];
+  a.seg = {dummy, dummy, 1, 128};
+  a.hidden = 128;
+  a.intermediate = 128;
+  a.h = {buf, reinterpret_cast<const float*>(buf)};
+  a.w_down = {buf, reinterpret_cast<const float*>(buf)};
+  a.out = reinterpret_cast<bf16*>(buf);
+  auto expect_named = [&](const gemm::Launch& launch, const char* name) {
+    try {
+      gemm::gemm2_fp8(a, launch, nullptr);
+      ADD_FAILURE() << "no error for a bad " << name;
+    } catch (const mok::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  };
+  a.hidden = 100;
+  expect_named({}, "hidden");
+  a.hidden = 128;
+  a.h.scales = nullptr;
+  expect_named({}, "h.scales");
+  a.h.scales = reinterpret_cast<const float*>(buf);
+  expect_named({0, nullptr, 10.0, 2}, "launch.cluster");
+}
+
+}  // namespace
+}  // namespace mok::gemm_test
