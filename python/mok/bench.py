@@ -12,7 +12,13 @@ torchrun); the slowest rank's median is reported. Both engines run on the same t
 uniform random distinct top-k experts from a seeded generator, softmax weights, dy), and the relative norms of
 their y, dx and weight gradients are printed as a sanity column. Useful FLOPs per rank: forward
 2*T*K*3*H*I + 2*T*3*H*I_shared, backward twice that, step three times; the fraction is against a dense bf16
-torch.matmul (cuBLAS) timed in the same run. docs/training.md describes the design.
+torch.matmul (cuBLAS) timed in the same run.
+
+``--engines mok,torch,torch_fp8`` adds ``plain_moe_experts_fp8`` (mok.torch.plain_fp8: the plain layer with FP8
+e4m3 rowwise-scaled expert GEMMs through torch._scaled_grouped_mm, as torchao trains MoEs on Hopper), its
+relative norms against the bf16 torch engine, and a dense FP8 torch._scaled_mm of the same n timed in the same
+run (1x128 / 128x128 block scales where this torch and GPU take them, else rowwise). docs/training.md
+describes the design.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from pathlib import Path
 __all__ = ["Shape", "SHAPES", "main", "commit_id", "envelope", "write_record", "render_table"]
 
 PASSES = ("fwd", "bwd", "step")
-ENGINES = ("mok", "torch")
+ENGINES = ("mok", "torch", "torch_fp8")
+DEFAULT_ENGINES = ("mok", "torch")  # torch_fp8 only on request: the records keep their meaning
 PASS_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "step": 3}
 
 
@@ -191,6 +198,48 @@ def dense_tflops(device, n: int, timer: Timer, warmup: int = 3, iters: int = 10)
     return 2.0 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12
 
 
+def dense_fp8_tflops(device, n: int, timer: Timer, warmup: int = 3, iters: int = 10) -> tuple[float, str]:
+    """(TFLOP/s, scaling) of an n x n x n e4m3 torch._scaled_mm with bf16 out: the dense FP8 reference.
+
+    Scaling "blockwise" (DeepSeek-V3's recipe: 1x128 scales on A, 128x128 on B, cuBLAS >= 12.9 on sm_90; no fast
+    accumulation) when this torch and GPU take it, else "rowwise" (scales [n, 1] and [1, n], fast accumulation as
+    the torch_fp8 engine runs). A is row-major, B column-major, as _scaled_mm requires."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device, generator=g).to(torch.float8_e4m3fn).t()
+    kb = -(-n // 128)
+    candidates = []
+    if n % 128 == 0:
+        # A's 1x128 scales [n, n/128] outer-dim-major (strides (1, n)); B's 128x128 scales [K/128, N/128] with
+        # strides (1, K/128)
+        sa = torch.ones(kb, n, device=device).t()
+        sb = torch.ones(kb, kb, device=device).t()
+        candidates.append(("blockwise", lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)))
+    ra, rb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    candidates.append(("rowwise", lambda: torch._scaled_mm(a, b, ra, rb, out_dtype=torch.bfloat16,
+                                                           use_fast_accum=True)))
+    for i, (scaling, fn) in enumerate(candidates):
+        try:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except (RuntimeError, NotImplementedError, ValueError):
+            if i == len(candidates) - 1:
+                raise
+            continue
+        times = []
+        for j in range(warmup + iters):
+            tok = timer.start()
+            fn()
+            ms = timer.stop(tok)
+            if j >= warmup:
+                times.append(ms)
+        return 2.0 * n ** 3 / (statistics.median(times) * 1e-3) / 1e12, scaling
+    raise AssertionError("unreachable")
+
+
 # ---- one shape ----------------------------------------------------------------------------------------------
 
 def _rel(a, b, world: int, chunk: int = 1 << 26) -> float:
@@ -237,13 +286,20 @@ def make_problem(shape: Shape, device, rank: int, world: int, seed: int):
     return w, x, idx, tw, dy
 
 
-def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer, dense: float) -> dict:
-    """Times every pass of every engine on one shape; returns the record entry (metrics and sanity)."""
+# The sanity pairs (engine, reference, key prefix): mok against the plain layer, the FP8 layer against bf16.
+SANITY_PAIRS = (("mok", "torch", ""), ("torch_fp8", "torch", "fp8_vs_bf16_"))
+
+
+def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer, dense: float,
+                dense_fp8: tuple[float, str] | None = None) -> dict:
+    """Times every pass of every engine on one shape; returns the record entry (metrics and sanity).
+    dense_fp8: (TFLOP/s, scaling) of the dense FP8 reference when torch_fp8 runs on a GPU."""
     import torch
 
     import mok
     import mok.torch
     from mok.torch.plain import grouped_mm_available, plain_moe_experts
+    from mok.torch.plain_fp8 import plain_moe_experts_fp8
 
     w, x, idx, tw, dy = make_problem(shape, device, rank, world, args.seed)
     leaves = [x, tw, *w.values()]
@@ -258,11 +314,15 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
         fns["mok"] = lambda: mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec)
     if "torch" in args.engines:
         fns["torch"] = lambda: plain_moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, impl=impl)
+    if "torch_fp8" in args.engines:
+        fns["torch_fp8"] = lambda: plain_moe_experts_fp8(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared)
 
     metrics, sanity, errors = {}, {}, {}
-    # sanity: one step of each engine on the same tensors
+    # sanity: one step of each engine on the same tensors, compared pairwise (SANITY_PAIRS). An engine's outputs
+    # are dropped once no pair with an engine still to run needs them: at most two engines' gradients at once.
     outs = {}
-    for name, fn in fns.items():
+    order = list(fns)
+    for i, (name, fn) in enumerate(fns.items()):
         _clear_grads(leaves)
         y = None
         try:
@@ -275,11 +335,17 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         del y
         _clear_grads(leaves)
-    if len(outs) == 2:
-        a, b = outs["mok"], outs["torch"]
-        sanity = {"y_rel_norm": _rel(a["y"], b["y"], world), "dx_rel_norm": _rel(a["dx"], b["dx"], world),
-                  "dtw_rel_norm": _rel(a["dtw"], b["dtw"], world),
-                  "dw_rel_norm": max(_rel(a[k], b[k], world) for k in w)}
+        for eng, ref, prefix in SANITY_PAIRS:
+            if eng in outs and ref in outs and f"{prefix}y_rel_norm" not in sanity:
+                a, b = outs[eng], outs[ref]
+                sanity.update({f"{prefix}y_rel_norm": _rel(a["y"], b["y"], world),
+                               f"{prefix}dx_rel_norm": _rel(a["dx"], b["dx"], world),
+                               f"{prefix}dtw_rel_norm": _rel(a["dtw"], b["dtw"], world),
+                               f"{prefix}dw_rel_norm": max(_rel(a[k], b[k], world) for k in w)})
+        later = set(order[i + 1:])
+        for k in list(outs):
+            if not any(k in (eng, ref) and ({eng, ref} - {k}) & later for eng, ref, _ in SANITY_PAIRS):
+                del outs[k]
     del outs
     gc.collect()
 
@@ -313,11 +379,17 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
     for p in args.passes:
         if f"torch_{p}_ms" in metrics and f"mok_{p}_ms" in metrics:
             metrics[f"{p}_speedup"] = metrics[f"torch_{p}_ms"] / metrics[f"mok_{p}_ms"]
+        if f"torch_fp8_{p}_ms" in metrics and f"mok_{p}_ms" in metrics:
+            metrics[f"mok_vs_torch_fp8_{p}"] = metrics[f"torch_fp8_{p}_ms"] / metrics[f"mok_{p}_ms"]
     metrics["cublas_dense_tflops"] = dense
+    if dense_fp8 is not None:
+        metrics["cublas_dense_fp8_tflops"] = dense_fp8[0]
     metrics.update(sanity)
     entry = {"bench": "torch_step", "shape": shape.name, "dims": shape.describe(), "ep": world,
              "tokens_per_rank": shape.tokens, "routing": "uniform", "torch_impl": impl, "warmup": args.warmup,
              "iters": args.iters, "metrics": metrics}
+    if dense_fp8 is not None:
+        entry["dense_fp8_scaling"] = dense_fp8[1]
     if errors:
         entry["errors"] = errors
     return entry
@@ -341,9 +413,13 @@ def _fmt(v, spec: str) -> str:
 
 
 def render_table(entries: list, passes=PASSES) -> str:
-    """The results as a fixed-width text table: one row per (shape, pass), a sanity row per shape."""
+    """The results as a fixed-width text table: one row per (shape, pass), a sanity row per shape. With the
+    torch_fp8 engine two more columns (its ms, and its ms over mok's) and its sanity row against bf16."""
+    fp8 = any(k.startswith("torch_fp8_") for e in entries for k in e.get("metrics", {}))
     head = (f"{'shape':8s} {'pass':5s} {'mok ms':>9s} {'torch ms':>9s} {'mok TF/s':>9s} {'torch TF/s':>10s} "
             f"{'mok/dense':>9s} {'torch/dense':>11s} {'speed-up':>8s}")
+    if fp8:
+        head += f" {'fp8 ms':>9s} {'vs fp8':>8s}"
     lines = [head, "-" * len(head)]
     for e in entries:
         if "error" in e:
@@ -354,25 +430,39 @@ def render_table(entries: list, passes=PASSES) -> str:
         for p in passes:
             mt, tt = m.get(f"mok_{p}_tflops"), m.get(f"torch_{p}_tflops")
             up = m.get(f"{p}_speedup")
-            lines.append(
-                f"{e['shape']:8s} {p:5s} {_fmt(m.get(f'mok_{p}_ms'), '9.3f')} {_fmt(m.get(f'torch_{p}_ms'), '9.3f')} "
-                f"{_fmt(mt, '9.4g')} {_fmt(tt, '10.4g')} {_fmt(mt / dense if mt and dense else None, '9.3f')} "
-                f"{_fmt(tt / dense if tt and dense else None, '11.3f')} {_fmt(up, '7.2f') + ('x' if up else ''):>8s}")
+            row = (f"{e['shape']:8s} {p:5s} {_fmt(m.get(f'mok_{p}_ms'), '9.3f')} "
+                   f"{_fmt(m.get(f'torch_{p}_ms'), '9.3f')} {_fmt(mt, '9.4g')} {_fmt(tt, '10.4g')} "
+                   f"{_fmt(mt / dense if mt and dense else None, '9.3f')} "
+                   f"{_fmt(tt / dense if tt and dense else None, '11.3f')} "
+                   f"{_fmt(up, '7.2f') + ('x' if up else ''):>8s}")
+            if fp8:
+                up8 = m.get(f"mok_vs_torch_fp8_{p}")
+                row += f" {_fmt(m.get(f'torch_fp8_{p}_ms'), '9.3f')} {_fmt(up8, '7.2f') + ('x' if up8 else ''):>8s}"
+            lines.append(row)
         for engine, text in e.get("errors", {}).items():
             lines.append(f"{'':8s} {engine} failed: {text}")
         if "y_rel_norm" in m:
             lines.append(f"{'':8s} sanity: |y_mok - y_torch|/|y_torch| = {m['y_rel_norm']:.2e}, "
                          f"dx {m['dx_rel_norm']:.2e}, d topk_w {m['dtw_rel_norm']:.2e}, "
                          f"weight grads (max) {m['dw_rel_norm']:.2e}")
+        if "fp8_vs_bf16_y_rel_norm" in m:
+            lines.append(f"{'':8s} fp8: |y_fp8 - y_torch|/|y_torch| = {m['fp8_vs_bf16_y_rel_norm']:.2e}, "
+                         f"dx {m['fp8_vs_bf16_dx_rel_norm']:.2e}, d topk_w {m['fp8_vs_bf16_dtw_rel_norm']:.2e}, "
+                         f"weight grads (max) {m['fp8_vs_bf16_dw_rel_norm']:.2e}")
     if entries and "metrics" in entries[0]:
         e = entries[0]
         lines.append(f"dense bf16 matmul: {e['metrics']['cublas_dense_tflops']:.4g} TFLOP/s; EP {e['ep']}; "
                      f"torch experts: {e['torch_impl']}")
+        if "cublas_dense_fp8_tflops" in e["metrics"]:
+            lines.append(f"dense fp8 matmul ({e.get('dense_fp8_scaling', '?')} scales): "
+                         f"{e['metrics']['cublas_dense_fp8_tflops']:.4g} TFLOP/s; fp8 ms: the torch_fp8 engine "
+                         "(rowwise FP8 expert GEMMs), vs fp8: its ms over mok's")
     return "\n".join(lines)
 
 
 def plot(entries: list, passes, path: Path, title: str) -> bool:
-    """Bar chart: useful TFLOP/s of each engine per shape, one panel per pass, the dense matmul as a line."""
+    """Bar chart: useful TFLOP/s of each engine per shape, one panel per pass, the dense matmuls as lines (the
+    torch_fp8 bars and the dense FP8 line only where that engine ran)."""
     try:
         import matplotlib
 
@@ -386,15 +476,21 @@ def plot(entries: list, passes, path: Path, title: str) -> bool:
         return False
     fig, axes = plt.subplots(1, len(passes), figsize=(4 * len(passes), 4), squeeze=False)
     names = [e["shape"] for e in ok]
+    engines = [*DEFAULT_ENGINES, *(n for n in ENGINES if n not in DEFAULT_ENGINES
+                                   and any(k.startswith(f"{n}_") for e in ok for k in e["metrics"]))]
+    width = 0.76 / len(engines)
     for ax, p in zip(axes[0], passes):
-        for j, engine in enumerate(ENGINES):
+        for j, engine in enumerate(engines):
             vals = [e["metrics"].get(f"{engine}_{p}_tflops") or 0.0 for e in ok]
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(ok))]
-            bars = ax.bar(xs, vals, width=0.38, label=engine, color=f"C{j}")
+            xs = [i + (j - (len(engines) - 1) / 2) * width for i in range(len(ok))]
+            bars = ax.bar(xs, vals, width=width, label=engine, color=f"C{ENGINES.index(engine)}")
             for b, v in zip(bars, vals):
                 if v:
                     ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
         ax.axhline(ok[0]["metrics"]["cublas_dense_tflops"], color="gray", ls="--", lw=1, label="dense bf16 matmul")
+        if "cublas_dense_fp8_tflops" in ok[0]["metrics"]:
+            ax.axhline(ok[0]["metrics"]["cublas_dense_fp8_tflops"], color="gray", ls=":", lw=1,
+                       label=f"dense fp8 matmul ({ok[0].get('dense_fp8_scaling', '?')})")
         ax.set_xticks(range(len(ok)), names)
         ax.set_title(p)
         ax.set_ylabel("useful TFLOP/s per GPU")
@@ -423,7 +519,9 @@ def parse_args(argv=None):
     c.add_argument("--shared", type=int, default=0, help="I of the shared expert (0: none)")
     c.add_argument("--tokens", type=int, help="T per rank")
     p.add_argument("--passes", default=",".join(PASSES), help="comma-separated, of fwd, bwd, step")
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of mok, torch")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help="comma-separated, of mok, torch, torch_fp8 (default mok,torch; torch_fp8: the plain layer "
+                        "with FP8 rowwise expert GEMMs, Hopper only, plus a dense FP8 reference)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per pass (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations before them")
     p.add_argument("--dense-size", type=int, help="n of the n^3 dense matmul reference (default 8192; 512 on the CPU)")
@@ -515,12 +613,20 @@ def main(argv=None) -> int:
                           file=sys.stderr)
                 return 2
         dense = dense_tflops(device, args.dense_size, timer)
+        dense_fp8 = None
+        if "torch_fp8" in args.engines and device.type == "cuda":
+            try:
+                dense_fp8 = dense_fp8_tflops(device, args.dense_size, timer)
+            except (RuntimeError, NotImplementedError, ValueError) as e:  # the engine itself reports why
+                if main_rank:
+                    print(f"mok.bench: no dense FP8 reference: {str(e).splitlines()[0] if str(e) else e!r}",
+                          file=sys.stderr)
         entries = []
         for shape in args.shape_list:
             if main_rank:
                 print(f"mok.bench: {shape.name} ({shape.describe()}), EP {world} ...", flush=True)
             try:
-                entries.append(bench_shape(shape, args, device, rank, world, timer, dense))
+                entries.append(bench_shape(shape, args, device, rank, world, timer, dense, dense_fp8))
             except torch.OutOfMemoryError as e:
                 first = str(e).splitlines()[0] if str(e) else "out of memory"
                 entries.append({"bench": "torch_step", "shape": shape.name, "dims": shape.describe(), "ep": world,
