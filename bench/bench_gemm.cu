@@ -515,6 +515,29 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     a2.dx = out;
     const float ms2 = median_ms([&] { dgrad_input_fp8(a2, L, stream); }, reps, stream);
     res.push_back({"dgrad_dx_fp8", 2.0 * rr * 2 * I * H, ms2, dense(M, H, 2 * I), 0});
+    // dgrad of GEMM 2 + SwiGLU backward in FP8 (dys: x's codes; W_down^T: W_gate's of the same
+    // size [E, I, H]; g, u: GEMM 1's outputs above), beside dgrad_dh_swiglu.
+    uint8_t* duc = dalloc<uint8_t>(R * I);
+    float* dus = dalloc<float>(ib * R);
+    DgradHiddenFp8Args a3;
+    a3.seg = b.seg;
+    a3.hidden = H;
+    a3.intermediate = I;
+    a3.dys = {xc, xs};
+    a3.w_down_t = {gc, gs};
+    a3.g = g;
+    a3.u = u;
+    a3.dg = dg;
+    a3.du = du;
+    a3.dg_codes = hc;
+    a3.du_codes = duc;
+    a3.dg_scales = hs;
+    a3.du_scales = dus;
+    a3.nonfinite = rec;
+    const float ms3 = median_ms([&] { dgrad_hidden_swiglu_fp8(a3, L, stream); }, reps, stream);
+    res.push_back({"dgrad_dh_swiglu_fp8", 2.0 * rr * H * I, ms3, dense(M, I, H), 0});
+    CK(cudaFree(duc));
+    CK(cudaFree(dus));
     for (void* p : {(void*)hc, (void*)wc, (void*)hs, (void*)ws, (void*)xc, (void*)gc, (void*)uc, (void*)xs, (void*)gs,
                     (void*)us, (void*)rec})
       CK(cudaFree(p));

@@ -108,4 +108,56 @@ void dgrad_input_fp8(const DgradInputFp8Args& a, const Launch& launch, cudaStrea
   host::launch_kind<DgradInputFp8Kind<1>>(p, launch, stream);
 }
 
+void dgrad_hidden_swiglu_fp8(const DgradHiddenFp8Args& a, const Launch& launch, cudaStream_t stream) {
+  using host::check_pointer;
+  host::check_row_problem(a.seg, launch, a.hidden, a.intermediate);
+  if (launch.cluster == 2) throw_invalid("launch.cluster", "0 or 1 (FP8 kinds run without clusters)", "2");
+  check_pointer("dys.codes", a.dys.codes);
+  check_pointer("dys.scales", a.dys.scales);
+  check_pointer("w_down_t.codes", a.w_down_t.codes);
+  check_pointer("w_down_t.scales", a.w_down_t.scales);
+  check_pointer("g", a.g);
+  check_pointer("u", a.u);
+  check_pointer("dg", a.dg);
+  check_pointer("du", a.du);
+  check_pointer("dg_codes", a.dg_codes);
+  check_pointer("du_codes", a.du_codes);
+  check_pointer("dg_scales", a.dg_scales);
+  check_pointer("du_scales", a.du_scales);
+  if (a.nonfinite == nullptr) throw_invalid("nonfinite", "a device NonFiniteRecord", "nullptr");
+  if (a.row_w != nullptr && a.dw_part == nullptr) {
+    throw_invalid("dw_part", "a device array [buffer_rows, ceil(I/256)] with row_w", "nullptr");
+  }
+  const int64_t R = a.seg.buffer_rows, H = a.hidden, I = a.intermediate, E = a.seg.experts;
+  DgradHiddenFp8Params p;
+  p.dys = host::map_e4m3(a.dys.codes, 0, R, H, 128, 128, "dys.codes");
+  p.dys_scales = host::map_f32_plain(a.dys.scales, blocks_of(H), R, 128, "dys.scales");
+  p.w_down_t = host::map_e4m3(a.w_down_t.codes, E, I, H, 128, 128, "w_down_t.codes");
+  p.wd_t_scales = a.w_down_t.scales;
+  p.i_blocks = static_cast<int>(blocks_of(I));
+  p.dg = host::map_bf16(a.dg, 0, R, I, 64, 64, "dg");
+  p.du = host::map_bf16(a.du, 0, R, I, 64, 64, "du");
+  p.g = host::map_bf16(a.g, 0, R, I, 64, 128, "g");  // the epilogue stages' boxes
+  p.u = host::map_bf16(a.u, 0, R, I, 64, 128, "u");
+  p.row_w = a.row_w;
+  p.dw_part = a.dw_part;
+  p.col_tiles = static_cast<int>(dgrad_hidden_col_tiles(I));
+  p.dg_codes = a.dg_codes;
+  p.du_codes = a.du_codes;
+  p.dg_scales = a.dg_scales;
+  p.du_scales = a.du_scales;
+  p.rows = R;
+  p.nonfinite = a.nonfinite;
+  p.sched = host::row_scheduler(a.seg, I, 256, kGroupM);
+  p.k_steps = static_cast<int>(blocks_of(H));
+  p.inter = static_cast<int>(I);
+  p.err = host::error_sink(launch);
+  p.sched.cluster = 1;
+  if (a.row_w != nullptr) {
+    host::launch_kind<DgradHiddenRoutedFp8Kind<1>>(p, launch, stream);
+  } else {
+    host::launch_kind<DgradHiddenFp8Kind<1>>(p, launch, stream);
+  }
+}
+
 }  // namespace mok::gemm

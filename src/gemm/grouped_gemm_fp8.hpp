@@ -76,7 +76,34 @@ struct DgradInputFp8Args {
   bf16* dx = nullptr;
 };
 
+// dgrad of GEMM 2 with the SwiGLU backward fused, in FP8 (DgradHiddenArgs' computation):
+// dhr = the FP8 dot of dys[r] with W_down[e] column i (fp32, never rounded), dh = w_r * dhr
+// (row_w, else 1), dg, du = bf16(SwiGLU backward) from the saved g, u, and with row_w the
+// d topk_w parts into dw_part. Then dg and du quantized in 1x128 blocks along I for
+// dgrad_input_fp8 (bit for bit quantize_rows_1x128 of the bf16 dg, du). dys [buffer_rows, H]
+// 1x128; W_down as its transposed copy W_down^T [E, I, H] (128x128); g, u, dg, du
+// [buffer_rows, I] bf16; dg_codes, du_codes [buffer_rows, I]; dg_scales, du_scales
+// [ceil(I / 128)][buffer_rows]. A non-finite dg or du is recorded in `nonfinite` (required).
+struct DgradHiddenFp8Args {
+  Segments seg;
+  int64_t hidden = 0, intermediate = 0;
+  Fp8Rows dys;
+  Fp8Weights w_down_t;
+  const bf16* g = nullptr;
+  const bf16* u = nullptr;
+  bf16* dg = nullptr;
+  bf16* du = nullptr;
+  const float* row_w = nullptr;
+  float* dw_part = nullptr;
+  uint8_t* dg_codes = nullptr;
+  uint8_t* du_codes = nullptr;
+  float* dg_scales = nullptr;
+  float* du_scales = nullptr;
+  NonFiniteRecord* nonfinite = nullptr;
+};
+
 void gemm2_fp8(const Gemm2Fp8Args& args, const Launch& launch, cudaStream_t stream);
+void dgrad_hidden_swiglu_fp8(const DgradHiddenFp8Args& args, const Launch& launch, cudaStream_t stream);
 void dgrad_input_fp8(const DgradInputFp8Args& args, const Launch& launch, cudaStream_t stream);
 void gemm1_swiglu_fp8(const Gemm1SwigluFp8Args& args, const Launch& launch, cudaStream_t stream);
 

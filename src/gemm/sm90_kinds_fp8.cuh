@@ -22,6 +22,56 @@ namespace mok::gemm {
 inline constexpr int kFp8PipeStages = 5;
 inline constexpr int kFp8Gemm1Stages = 3;
 
+// ---- Quantizing epilogues -----------------------------------------------------------------
+// One 1x128 block per row of the warpgroup's 64 rows, from bf16 pairs in registers: bits(i) for
+// even i in [0, 64) is the bf16x2 of columns col0 + ctx.col(i / 4) + {0, 1} of row
+// ctx.row_in_tile((i / 2) % 2) (the fragment order, after an epilogue packed the pairs). amax
+// over the row's four threads (a quad), the scale and codes with the quantizers' math
+// (fp8_math.cuh), so the result is quantize_rows_1x128's bit for bit; codes [rows, cols] at
+// columns < cols, the scale at scales[(col0 / 128) * scales_ld + row]. A non-finite value is
+// recorded (index row * cols + col; the record turns into an error).
+template <class Bits>
+__device__ inline void quantize_row_block(const EpiCtx& ctx, Bits bits, int64_t row0, int col0, int cols,
+                                          uint8_t* codes, float* scales, int64_t scales_ld, NonFiniteRecord* rec) {
+  uint32_t amax[2] = {0u, 0u};
+  int bad_col[2] = {INT_MAX, INT_MAX};  // the thread's first non-finite column of each row
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const uint32_t b = bits(i);
+    const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
+    const uint16_t lo = static_cast<uint16_t>(b), hi = static_cast<uint16_t>(b >> 16);
+    if (!bf16_finite(lo)) bad_col[v1] = min(bad_col[v1], col);
+    if (!bf16_finite(hi)) bad_col[v1] = min(bad_col[v1], col + 1);
+    amax[v1] = max(amax[v1], max(abs_bits(lo), abs_bits(hi)));
+  }
+  float inv[2], scale[2];
+#pragma unroll
+  for (int v1 = 0; v1 < 2; ++v1) {
+    // The row's 128 columns sit in the 4 threads of a quad (lanes 4q .. 4q + 3).
+    amax[v1] = max(amax[v1], __shfl_xor_sync(0xffffffffu, amax[v1], 1));
+    amax[v1] = max(amax[v1], __shfl_xor_sync(0xffffffffu, amax[v1], 2));
+    if (bad_col[v1] != INT_MAX) {
+      atomicMin(&rec->first, static_cast<unsigned long long>((row0 + ctx.row_in_tile(v1)) * cols + bad_col[v1]));
+    }
+    const int k = scale_exponent_bits(amax[v1]);
+    inv[v1] = pow2_bits(-k);
+    scale[v1] = pow2_bits(k);
+  }
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
+    if (col < cols) {
+      const uint32_t b = bits(i);
+      const uint16_t q = encode2(static_cast<uint16_t>(b), static_cast<uint16_t>(b >> 16), inv[v1]);
+      *reinterpret_cast<uint16_t*>(codes + (row0 + ctx.row_in_tile(v1)) * cols + col) = q;
+    }
+  }
+  if (ctx.tid % 4 == 0) {
+#pragma unroll
+    for (int v1 = 0; v1 < 2; ++v1) scales[(col0 / 128) * scales_ld + row0 + ctx.row_in_tile(v1)] = scale[v1];
+  }
+}
+
 // ---- GEMM 2 ------------------------------------------------------------------------------
 // Tile: 128 rows x 128 output columns (one weight block row); K blocks of 128.
 struct Gemm2Fp8Params {
@@ -164,55 +214,103 @@ struct Gemm1SwigluFp8Kind
     quantize_h(p, t, ctx, acc);
   }
 
-  // acc(i), i even < 64: the bf16 pair of h of fragment values (i, i + 1), row (i / 2) % 2.
+  // After the epilogue acc(i), i even < 64, holds the bf16 pair of h of values (i, i + 1).
   template <class Acc>
   __device__ static void quantize_h(const Params& p, const RowTile& t, const EpiCtx& ctx, const Acc& acc) {
-    uint32_t amax[2] = {0u, 0u};
-    int bad_col[2] = {INT_MAX, INT_MAX};  // the thread's first non-finite column of each row
-    const int col0 = 128 * t.n_tile;
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const uint32_t bits = __float_as_uint(acc(i));
-      const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
-      const uint16_t lo = static_cast<uint16_t>(bits), hi = static_cast<uint16_t>(bits >> 16);
-      if (!bf16_finite(lo)) bad_col[v1] = min(bad_col[v1], col);
-      if (!bf16_finite(hi)) bad_col[v1] = min(bad_col[v1], col + 1);
-      amax[v1] = max(amax[v1], max(abs_bits(lo), abs_bits(hi)));
-    }
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      // The row's 128 columns sit in the 4 threads of a quad (lanes 4q .. 4q + 3).
-      amax[v1] = max(amax[v1], __shfl_xor_sync(0xffffffffu, amax[v1], 1));
-      amax[v1] = max(amax[v1], __shfl_xor_sync(0xffffffffu, amax[v1], 2));
-      if (bad_col[v1] != INT_MAX) {
-        const int64_t row = t.row0 + ctx.row_in_tile(v1);
-        atomicMin(&p.nonfinite->first, static_cast<unsigned long long>(row * p.inter + bad_col[v1]));
-      }
-      // A non-finite h makes the block's amax non-finite: its codes are then garbage, and the
-      // record turns the call into an error (check_nonfinite).
-    }
-    int k[2];
-    float inv[2];
-#pragma unroll
-    for (int v1 = 0; v1 < 2; ++v1) {
-      k[v1] = scale_exponent_bits(amax[v1]);
-      inv[v1] = pow2_bits(-k[v1]);
-    }
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
-      const uint32_t bits = __float_as_uint(acc(i));
-      if (col < p.inter) {
-        const int64_t row = t.row0 + ctx.row_in_tile(v1);
-        const uint16_t q = encode2(static_cast<uint16_t>(bits), static_cast<uint16_t>(bits >> 16), inv[v1]);
-        *reinterpret_cast<uint16_t*>(p.h_codes + row * p.inter + col) = q;
-      }
-    }
-    if (ctx.tid % 4 == 0) {
-#pragma unroll
-      for (int v1 = 0; v1 < 2; ++v1) p.h_scales[t.n_tile * p.rows + t.row0 + ctx.row_in_tile(v1)] = pow2_bits(k[v1]);
-    }
+    quantize_row_block(ctx, [&](int i) { return __float_as_uint(acc(i)); }, t.row0, 128 * t.n_tile, p.inter,
+                       p.h_codes, p.h_scales, p.rows, p.nonfinite);
   }
 };
+
+// ---- dgrad of GEMM 2 + SwiGLU backward, dg and du quantized for dgrad of GEMM 1 -------------
+// dh = dys x W_down[e]: FP8 wgmma reads B K-major, so B is the transposed copy W_down^T
+// [E, I, H] (128x128). Tile: 128 rows x 256 intermediate columns as the bf16 dh kind (whose
+// epilogue, with the saved g, u through four epilogue stages, the routed rows' router weights
+// and d topk_w parts, runs unchanged on the promoted fp32 accumulators), two 128-column wgmma
+// batches per K block. Then dg's and du's two 1x128 blocks of each row are quantized from the
+// rounded bf16 pairs in registers (quantize_row_block): dgrad of GEMM 1's operands.
+struct DgradHiddenFp8Params {
+  CUtensorMap dys;          // codes [rows, H], box 128 x 128
+  CUtensorMap dys_scales;   // fp32 [ceil(H / 128), rows], box 128 x 1
+  CUtensorMap w_down_t;     // codes [E, I, H], box 128 x 128 x 1
+  const float* wd_t_scales; // [E][ceil(I / 128)][ceil(H / 128)]
+  int i_blocks;             // ceil(I / 128)
+  CUtensorMap dg, du;       // bf16 [rows, I], box 64 x 64
+  CUtensorMap g, u;         // the saved g, u [rows, I], box 64 x 128: one epilogue stage per 64 columns
+  const float* row_w;       // [rows] router weight of each row (the routed kind)
+  float* dw_part;           // [rows, col_tiles] d topk_w parts (the routed kind)
+  int col_tiles;            // ceil(I / 256)
+  uint8_t* dg_codes;        // [rows, I]
+  uint8_t* du_codes;
+  float* dg_scales;         // [ceil(I / 128)][rows]
+  float* du_scales;
+  int64_t rows;             // buffer rows
+  NonFiniteRecord* nonfinite;  // the first non-finite dg (index row * I + col), else du's
+  RowScheduler sched;       // n_tiles = ceil(I / 256)
+  int k_steps;              // ceil(H / 128)
+  int inter;
+  ErrorSink err;
+};
+
+template <int C, bool kRouted>
+struct DgradHiddenFp8KindT
+    : RowKindBase<DgradHiddenFp8KindT<C, kRouted>, Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>> {
+  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>;
+  using Params = DgradHiddenFp8Params;
+  __device__ static void prefetch_descriptors(const Params& p) {
+    cute::prefetch_tma_descriptor(&p.dys);
+    cute::prefetch_tma_descriptor(&p.dys_scales);
+    cute::prefetch_tma_descriptor(&p.w_down_t);
+    cute::prefetch_tma_descriptor(&p.g);
+    cute::prefetch_tma_descriptor(&p.u);
+  }
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+                                    uint64_t* bar, int) {
+    tma_load_2d(&p.dys, bar, a, 128 * k, t.row0);
+    tma_load_2d(&p.dys_scales, bar, sa, t.row0, k);
+    tma_load_3d(&p.w_down_t, bar, b, 128 * k, 256 * t.n_tile, t.expert);
+    tma_load_3d(&p.w_down_t, bar, b + Cfg::kBBytes / 2, 128 * k, 256 * t.n_tile + 128, t.expert);
+  }
+  // Column block 2 n + c of I; past I (the last tile of an I with an odd number of blocks) the
+  // codes are TMA's zeros and the scale is never read.
+  __device__ static float b_scale(const Params& p, const RowTile& t, int k, int c) {
+    const int blk = 2 * t.n_tile + c;
+    return blk < p.i_blocks ? __ldg(p.wd_t_scales + (int64_t{t.expert} * p.i_blocks + blk) * p.k_steps + k) : 0.0f;
+  }
+
+  // The bf16 kind's epilogue stages: quarter q of the tile's g (A slot) and u (B slot).
+  using Bf16 = DgradHiddenKind<1>;
+  static constexpr bool kEpilogueStages = true;
+  static constexpr int kEpilogueStageBytes = Bf16::kEpilogueStageBytes;
+  static_assert(128 * 64 * 2 <= Cfg::kABytes && 128 * 64 * 2 <= Cfg::kBBytes,
+                "a quarter of g fits the A slot and one of u the B slot");
+  __device__ static int epilogue_stages(const Params&, const RowTile&) { return 4; }
+  __device__ static void load_epilogue_stage(const Params& p, const RowTile& t, int q, uint8_t* a, uint8_t* b,
+                                             uint64_t* bar) {
+    tma_load_2d(&p.g, bar, a, 256 * t.n_tile + 64 * q, t.row0);
+    tma_load_2d(&p.u, bar, b, 256 * t.n_tile + 64 * q, t.row0);
+  }
+
+  template <class Acc, class Ring>
+  __device__ static bool epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc, const Ring& ring) {
+    const bool ok = Bf16::template epilogue_as<kRouted>(p, t, ctx, acc, ring);
+    // acc(i), i even: the dg pair of fragment values (i, i + 1); acc(i + 1): the du pair.
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int col0 = 256 * t.n_tile + 128 * b;
+      if (col0 < p.inter) {
+        quantize_row_block(ctx, [&](int i) { return __float_as_uint(acc(64 * b + i)); }, t.row0, col0, p.inter,
+                           p.dg_codes, p.dg_scales, p.rows, p.nonfinite);
+        quantize_row_block(ctx, [&](int i) { return __float_as_uint(acc(64 * b + i + 1)); }, t.row0, col0,
+                           p.inter, p.du_codes, p.du_scales, p.rows, p.nonfinite);
+      }
+    }
+    return ok;
+  }
+};
+template <int C>
+using DgradHiddenFp8Kind = DgradHiddenFp8KindT<C, false>;
+template <int C>
+using DgradHiddenRoutedFp8Kind = DgradHiddenFp8KindT<C, true>;
 
 }  // namespace mok::gemm

@@ -361,8 +361,8 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   // thread's row v1 (1 without row_w); part[v1] += dhr * h over the thread's columns when
   // kScaled (the d topk_w part of the row), in column order. `ok` false after a timed-out stage
   // wait (recorded; the epilogue still runs to its end).
-  template <int Q, bool kScaled, class Acc, class Ring>
-  __device__ static void swiglu_backward_quarter(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+  template <int Q, bool kScaled, class P, class Acc, class Ring>
+  __device__ static void swiglu_backward_quarter(const P& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
                                                  const float (&w)[2], float (&part)[2], const Ring& ring, bool& ok) {
     ok = ring.acquire() && ok;
     // Element (r, c) of a 128 x 64 SW128 box: byte 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8);
@@ -401,8 +401,8 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   }
   // Columns [128 Half, 128 Half + 128): quarters 2 Half, 2 Half + 1, then the half's dg and du
   // store rounds.
-  template <int Half, bool kScaled, class Acc, class Ring>
-  __device__ static void swiglu_backward_half(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+  template <int Half, bool kScaled, class P, class Acc, class Ring>
+  __device__ static void swiglu_backward_half(const P& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
                                               const float (&w)[2], float (&part)[2], const Ring& ring, bool& ok) {
     swiglu_backward_quarter<2 * Half, kScaled>(p, t, ctx, acc, w, part, ring, ok);
     swiglu_backward_quarter<2 * Half + 1, kScaled>(p, t, ctx, acc, w, part, ring, ok);
@@ -418,8 +418,9 @@ struct DgradHiddenKind : RowKindBase<DgradHiddenKind<C>, TileConfig<256, kPipeSt
   __device__ static bool epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc, const Ring& ring) {
     return epilogue_as<false>(p, t, ctx, acc, ring);
   }
-  template <bool kScaled, class Acc, class Ring>
-  __device__ static bool epilogue_as(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
+  // P: DgradHiddenParams or any params with its epilogue's fields (the FP8 kind's).
+  template <bool kScaled, class P, class Acc, class Ring>
+  __device__ static bool epilogue_as(const P& p, const RowTile& t, const EpiCtx& ctx, Acc& acc,
                                      const Ring& ring) {
     float w[2] = {1.0f, 1.0f}, part[2] = {0.0f, 0.0f};
     if constexpr (kScaled) {

@@ -17,6 +17,8 @@
 #include "reference/fp8.hpp"
 #include "test_gemm_util.hpp"
 
+#include <random>
+
 namespace mok::gemm_test {
 namespace {
 
@@ -260,9 +262,146 @@ TEST(GemmFp8, DgradInputPartialBlocks) {
 }
 TEST(GemmFp8, DgradInputLarger) { SKIP_WITHOUT_GPU(); test_dgrad_input_fp8({{200, 513, 0, 384}, {}, 768, 512}, 32); }
 
+// h = bf16(silu(g) * u) of rounded g, u (numerics.md).
+float silu_mul_ref(float g, float u) { return round_bf16(g * sigmoid_ref(g) * u); }
+
+// ---- dgrad of GEMM 2 + SwiGLU backward, dg and du quantized ------------------------------
+
+// Bits of a bf16 [rows, cols] buffer quantized 1x128 against the kernel's codes and K-block-major
+// scales, on the segments' rows.
+void expect_quantized_rows(const SegmentLayout& l, const Bits& v, int64_t cols, const std::vector<uint8_t>& codes,
+                           const std::vector<float>& scales, const std::string& what) {
+  const int64_t rows = l.offsets.back(), kb = (cols + 127) / 128;
+  const ref::Fp8Tensor q = ref::quantize_rows_1x128(v.data(), rows, cols, what.c_str());
+  expect_bitwise_equal(std::vector<uint8_t>(codes.begin(), codes.begin() + rows * cols), q.data, what + " codes");
+  std::vector<float> got(kb * rows);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < kb; ++j) got[r * kb + j] = scales[j * l.buffer_rows + r];
+  expect_bitwise_equal(got, q.scales, what + " scales");
+}
+
+void test_dgrad_hidden_fp8(const Shape& s, uint32_t seed, bool routed) {
+  const SegmentLayout l = make_layout(s.rows, s.extra);
+  const int E = static_cast<int>(s.rows.size());
+  const int64_t R = l.buffer_rows, H = s.H, I = s.I, ib = (I + 127) / 128, ct = (I + 255) / 256;
+  const QuantRows dys = make_rows(l, H, seed);
+  const QuantWeights wd = make_weights(E, H, I, seed + 1);  // W_down [E, H, I]
+  const QuantWeights wdt = transposed(wd, E, H, I);         // [E, I, H]
+  const Bits g = random_rows(l, I, seed + 2, 2.0f), u = random_rows(l, I, seed + 3, 2.0f);
+  std::vector<float> row_w(R, 0.0f);
+  {
+    std::mt19937 gen(seed + 4);
+    std::uniform_real_distribution<float> d(0.05f, 1.0f);
+    for (int64_t r = 0; r < R; ++r) row_w[r] = l.is_real(r) ? d(gen) : 0.0f;
+  }
+  const auto fg = to_float(g), fu = to_float(u);
+  std::vector<float> ref_dg(R * I, 0.0f), ref_du(R * I, 0.0f), ref_dw(R, 0.0f);
+  for (int e = 0; e < E; ++e)
+    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const float dhr = ref::dot_fp8(dys.q, r, wdt.per_e[e], i);
+        const float dh = routed ? row_w[r] * dhr : dhr;
+        const float gg = fg[r * I + i], uu = fu[r * I + i], sg = sigmoid_ref(gg);
+        ref_dg[r * I + i] = round_bf16(dh * uu * sg * (1.0f + gg * (1.0f - sg)));
+        ref_du[r * I + i] = round_bf16(dh * gg * sg);
+        ref_dw[r] += dhr * silu_mul_ref(gg, uu);
+      }
+
+  DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
+  DeviceBuffer<uint32_t> d_err(1);
+  cudaMemset(d_err.ptr, 0, sizeof(uint32_t));
+  auto d_yc = device(dys.q.data), d_wc = device(wdt.codes);
+  auto d_ys = device(dys.scales_kmajor), d_ws = device(wdt.scales), d_rw = device(row_w);
+  DeviceBuffer<uint16_t> d_g(R * I), d_u(R * I), dg(R * I), du(R * I);
+  d_g.upload(g);
+  d_u.upload(u);
+  DeviceBuffer<uint8_t> dgc(R * I), duc(R * I);
+  DeviceBuffer<float> dgs(ib * R), dus(ib * R), dwp(R * ct);
+  DeviceBuffer<gemm::NonFiniteRecord> rec(1);
+  gemm::DgradHiddenFp8Args a;
+  a.seg = {d_off.ptr, d_rows.ptr, E, R};
+  a.hidden = H;
+  a.intermediate = I;
+  a.dys = {d_yc.ptr, d_ys.ptr};
+  a.w_down_t = {d_wc.ptr, d_ws.ptr};
+  a.g = reinterpret_cast<const bf16*>(d_g.ptr);
+  a.u = reinterpret_cast<const bf16*>(d_u.ptr);
+  a.dg = reinterpret_cast<bf16*>(dg.ptr);
+  a.du = reinterpret_cast<bf16*>(du.ptr);
+  a.row_w = routed ? d_rw.ptr : nullptr;
+  a.dw_part = routed ? dwp.ptr : nullptr;
+  a.dg_codes = dgc.ptr;
+  a.du_codes = duc.ptr;
+  a.dg_scales = dgs.ptr;
+  a.du_scales = dus.ptr;
+  a.nonfinite = rec.ptr;
+  Bits first_dg, first_du;
+  std::vector<uint8_t> first_c;
+  for (int grid : kGrids) {
+    for (auto* b : {&dg, &du}) b->poison();
+    dgc.poison();
+    duc.poison();
+    dgs.poison();
+    dus.poison();
+    dwp.poison();
+    gemm::reset_nonfinite(rec.ptr, nullptr);
+    gemm::dgrad_hidden_swiglu_fp8(a, {grid, d_err.ptr, 10.0, 0}, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(d_err.download()[0], 0u) << "kernel error flag";
+    gemm::check_nonfinite(rec.ptr, I, "dg", nullptr);
+    const Bits gdg = dg.download(), gdu = du.download();
+    const auto gc = dgc.download();
+    if (first_dg.empty()) {
+      for (auto [out, ref, name] : {std::tuple{&gdg, &ref_dg, "dg"}, std::tuple{&gdu, &ref_du, "du"}}) {
+        const double err = rel_err(real_rows_of(l, to_float(*out), I), real_rows_of(l, *ref, I));
+        std::printf("dgrad_hidden_swiglu_fp8%s H=%lld I=%lld: %s rel err vs reference %.3g\n", routed ? " (routed)" : "",
+                    static_cast<long long>(H), static_cast<long long>(I), name, err);
+        EXPECT_LE(err, kTol) << name;
+        expect_padding_zero(l, *out, I, name);
+      }
+      expect_quantized_rows(l, gdg, I, gc, dgs.download(), "dg");
+      expect_quantized_rows(l, gdu, I, duc.download(), dus.download(), "du");
+      if (routed) {
+        const auto parts = dwp.download();
+        std::vector<float> got_dw, want_dw;
+        for (int64_t r = 0; r < R; ++r) {
+          if (!l.is_real(r)) continue;
+          float sum = 0.0f;
+          for (int64_t c = 0; c < ct; ++c) sum += parts[r * ct + c];
+          got_dw.push_back(sum);
+          want_dw.push_back(ref_dw[r]);
+        }
+        const double err = rel_err(got_dw, want_dw);
+        std::printf("dgrad_hidden_swiglu_fp8 (routed): d topk_w rel err vs reference %.3g\n", err);
+        EXPECT_LE(err, kTol);
+      }
+      first_dg = gdg;
+      first_du = gdu;
+      first_c = gc;
+    } else {
+      expect_bitwise_equal(gdg, first_dg, "dg, grid " + std::to_string(grid));
+      expect_bitwise_equal(gdu, first_du, "du, grid " + std::to_string(grid));
+      expect_bitwise_equal(gc, first_c, "dg codes, grid " + std::to_string(grid));
+    }
+  }
+}
+
+// I = 320: the last 256-column tile has one partial 128-block and one block past I.
+TEST(GemmFp8, DgradHiddenPartialBlocks) {
+  SKIP_WITHOUT_GPU();
+  test_dgrad_hidden_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 192, 320}, 41, false);
+}
+TEST(GemmFp8, DgradHiddenRoutedPartialBlocks) {
+  SKIP_WITHOUT_GPU();
+  test_dgrad_hidden_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 192, 320}, 42, true);
+}
+TEST(GemmFp8, DgradHiddenRoutedLarger) {
+  SKIP_WITHOUT_GPU();
+  test_dgrad_hidden_fp8({{200, 513, 0, 384}, {}, 512, 768}, 43, true);
+}
+
 // ---- GEMM 1 + SwiGLU with h quantized ---------------------------------------------------
 
-float silu_mul_ref(float g, float u) { return round_bf16(g * sigmoid_ref(g) * u); }
 
 struct Gemm1Fp8Out {
   Bits g, u, h;
