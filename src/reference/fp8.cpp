@@ -180,7 +180,11 @@ std::vector<float> dequantize(const Fp8Tensor& t) {
 
 float dot_fp8(const uint8_t* a, const float* a_scales, const uint8_t* w, const float* w_scales,
               int64_t k) {
-  float acc = 0.0f;
+  return dot_fp8_from(0.0f, a, a_scales, w, w_scales, k);
+}
+
+float dot_fp8_from(float acc, const uint8_t* a, const float* a_scales, const uint8_t* w,
+                   const float* w_scales, int64_t k) {
   for (int64_t b = 0, k0 = 0; k0 < k; ++b, k0 += 128) {
     const int64_t k1 = std::min(k, k0 + 128);
     float partial = 0.0f;

@@ -88,6 +88,10 @@ std::vector<float> dequantize(const Fp8Tensor& t);
 // all in fp32. The products and the scale products are exact; the sums round.
 float dot_fp8(const uint8_t* a, const float* a_scales, const uint8_t* w, const float* w_scales,
               int64_t k);
+// The same continuing from acc (instead of +0): a reduction over several operand pairs in one
+// accumulator, block after block (dgrad of G1: the gate half's blocks, then the up half's).
+float dot_fp8_from(float acc, const uint8_t* a, const float* a_scales, const uint8_t* w,
+                   const float* w_scales, int64_t k);
 
 // out[m][n] of a @ w^T: row m of a (1x128 blocks) with row n of w (w is [N, K], 128x128 blocks,
 // K along cols as the layer's weights are stored), both with K = cols.

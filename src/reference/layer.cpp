@@ -171,11 +171,13 @@ BasicForwardContext<To> convert_context(const BasicForwardContext<From>& c, Fn f
 template <class Elem, class Weight>
 BasicForwardResult<Elem> forward_impl(const LayerShape& shape, const Config& config,
                                       const BasicLayerWeights<Elem>& weights,
-                                      const BasicLayerInputs<Elem, Weight>& inputs, int threads) {
+                                      const BasicLayerInputs<Elem, Weight>& inputs, int threads,
+                                      const Fp8Recipe* fp8 = nullptr) {
   using Real = typename ElemTraits<Elem>::Real;
   Schedule schedule = validate_call<Elem, Weight>(shape, config, weights, inputs, nullptr);
-  auto core = detail::forward_core<Real>(shape, load_weights(weights), load_inputs(inputs),
-                                         std::move(schedule), threads);
+  CoreWeights<Real> w = load_weights(weights);
+  w.fp8 = fp8;
+  auto core = detail::forward_core<Real>(shape, w, load_inputs(inputs), std::move(schedule), threads);
   BasicForwardResult<Elem> result;
   result.y = convert_ranks<Elem>(core.y, &ElemTraits<Elem>::store);
   result.ctx = convert_context<Elem>(core.ctx, &ElemTraits<Elem>::store);
@@ -187,10 +189,12 @@ BasicGradients<Elem, Acc> backward_impl(const LayerShape& shape, const Config& c
                                         const BasicLayerWeights<Elem>& weights,
                                         const BasicLayerInputs<Elem, Weight>& inputs,
                                         const std::vector<std::vector<Elem>>& dy,
-                                        const BasicForwardContext<Elem>* saved, int threads) {
+                                        const BasicForwardContext<Elem>* saved, int threads,
+                                        const Fp8Recipe* fp8 = nullptr) {
   using Real = typename ElemTraits<Elem>::Real;
   Schedule schedule = validate_call(shape, config, weights, inputs, &dy);
-  const CoreWeights<Real> w = load_weights(weights);
+  CoreWeights<Real> w = load_weights(weights);
+  w.fp8 = fp8;
   const CoreInputs<Real> in = load_inputs(inputs);
   BasicForwardContext<Real> ctx;
   if (saved != nullptr) {
@@ -224,6 +228,17 @@ Gradients backward(const LayerShape& shape, const Config& config, const LayerWei
                    const LayerInputs& inputs, const std::vector<std::vector<uint16_t>>& dy,
                    const ForwardContext* saved, int threads) {
   return backward_impl<uint16_t, float, float>(shape, config, weights, inputs, dy, saved, threads);
+}
+
+ForwardResult forward_fp8(const LayerShape& shape, const Config& config, const LayerWeights& weights,
+                          const LayerInputs& inputs, const Fp8Recipe& recipe, int threads) {
+  return forward_impl(shape, config, weights, inputs, threads, &recipe);
+}
+
+Gradients backward_fp8(const LayerShape& shape, const Config& config, const LayerWeights& weights,
+                       const LayerInputs& inputs, const std::vector<std::vector<uint16_t>>& dy,
+                       const ForwardContext* saved, const Fp8Recipe& recipe, int threads) {
+  return backward_impl<uint16_t, float, float>(shape, config, weights, inputs, dy, saved, threads, &recipe);
 }
 
 ForwardResultF64 forward_f64(const LayerShape& shape, const Config& config,

@@ -106,6 +106,24 @@ Gradients backward(const LayerShape& shape, const Config& config, const LayerWei
                    const LayerInputs& inputs, const std::vector<std::vector<uint16_t>>& dy,
                    const ForwardContext* saved, int threads = 0);
 
+// The FP8 training recipe of docs/fp8.md on the bf16 layer: every expert GEMM (routed and
+// shared, forward and backward) takes e4m3 operands with power-of-two block scales (activations
+// and gradients 1x128 along the reduction dimension, weights 128x128) and the two-level
+// accumulation of ref::dot_fp8; every other step (schedule, dispatch, SwiGLU, bf16 roundings,
+// combine, y and dx epilogues, d topk_w) is the bf16 layer's. Quantization points (docs/fp8.md):
+// forward x, W_gate, W_up (G1), h, W_down (G2); backward dy, W_down^T (dh), dg, du, W_gate^T,
+// W_up^T (dx); with fp8_wgrad the weight gradients' operands x^T, dg^T, du^T, dy^T, hs^T in 1x128
+// blocks along the tokens of each expert, from its first row in canonical order (so D3 holds);
+// without, the weight gradients are the bf16 layer's fp32 sums over the same dg, du, hs.
+struct Fp8Recipe {
+  bool fp8_wgrad = true;
+};
+ForwardResult forward_fp8(const LayerShape& shape, const Config& config, const LayerWeights& weights,
+                          const LayerInputs& inputs, const Fp8Recipe& recipe = {}, int threads = 0);
+Gradients backward_fp8(const LayerShape& shape, const Config& config, const LayerWeights& weights,
+                       const LayerInputs& inputs, const std::vector<std::vector<uint16_t>>& dy,
+                       const ForwardContext* saved, const Fp8Recipe& recipe = {}, int threads = 0);
+
 // The same layer in double precision without any rounding (gradient checks).
 ForwardResultF64 forward_f64(const LayerShape& shape, const Config& config,
                              const LayerWeightsF64& weights, const LayerInputsF64& inputs,

@@ -23,7 +23,8 @@ template <class Real>
 struct ExpertCopy {
   std::vector<Real> gate, up, down;
   int64_t inter = 0, hidden = 0;
-  MlpWeights<Real> view() const { return {gate.data(), up.data(), down.data(), inter, hidden}; }
+  const Fp8Recipe* fp8 = nullptr;
+  MlpWeights<Real> view() const { return {gate.data(), up.data(), down.data(), inter, hidden, fp8}; }
 };
 
 template <class Real, class Elem>
@@ -37,14 +38,14 @@ template <class Real>
 ExpertCopy<Real> routed_expert(const LayerShape& shape, const CoreWeights<Real>& w, int64_t e) {
   const int64_t n = shape.intermediate * shape.hidden;
   return {load_slice<Real>(w.src->gate, e * n, n), load_slice<Real>(w.src->up, e * n, n),
-          load_slice<Real>(w.src->down, e * n, n), shape.intermediate, shape.hidden};
+          load_slice<Real>(w.src->down, e * n, n), shape.intermediate, shape.hidden, w.fp8};
 }
 
 template <class Real>
 ExpertCopy<Real> shared_expert(const LayerShape& shape, const CoreWeights<Real>& w) {
   const int64_t n = shape.shared_intermediate * shape.hidden;
   return {load_slice<Real>(w.src->shared_gate, 0, n), load_slice<Real>(w.src->shared_up, 0, n),
-          load_slice<Real>(w.src->shared_down, 0, n), shape.shared_intermediate, shape.hidden};
+          load_slice<Real>(w.src->shared_down, 0, n), shape.shared_intermediate, shape.hidden, w.fp8};
 }
 
 // fmaf in fp32 (one rounding), fma in the double variant.

@@ -55,6 +55,7 @@ struct MlpWeights {
   const Real* down = nullptr;
   int64_t inter = 0;
   int64_t hidden = 0;
+  const Fp8Recipe* fp8 = nullptr;  // the FP8 recipe (float variant only), nullptr: bf16
 };
 
 // Forward steps 1-3 on n rows x [n, H]: writes g, u [n, I] (saved context) and o [n, H].
@@ -83,6 +84,14 @@ template <class Real>
 void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dy, const Real* dgu,
                const Real* hs, int64_t n, Real* dgate, Real* dup, Real* ddown, int threads);
 
+// The FP8 recipe's versions of the three (layer_fp8.cpp): the same steps with the expert GEMMs
+// on e4m3 operands (docs/fp8.md); mlp_forward / mlp_backward / mlp_wgrad call them when w.fp8.
+void mlp_forward_fp8(const MlpWeights<float>& w, const float* x, int64_t n, float* g, float* u, float* o);
+void mlp_backward_fp8(const MlpWeights<float>& w, const float* dy, const float* row_w, const float* g,
+                      const float* u, int64_t n, float* dgu, float* hs, float* dx, float* dtopk_w);
+void mlp_wgrad_fp8(const MlpWeights<float>& w, const float* x, const float* dy, const float* dgu, const float* hs,
+                   int64_t n, float* dgate, float* dup, float* ddown);
+
 // The public element type of a Real variant: bf16 bits for float, double for double.
 template <class Real>
 using PublicElem = std::conditional_t<std::is_same_v<Real, float>, uint16_t, double>;
@@ -92,6 +101,7 @@ using PublicElem = std::conditional_t<std::is_same_v<Real, float>, uint16_t, dou
 template <class Real>
 struct CoreWeights {
   const BasicLayerWeights<PublicElem<Real>>* src = nullptr;
+  const Fp8Recipe* fp8 = nullptr;  // every expert GEMM in FP8 (float variant only)
 };
 
 // The inputs as Real values.

@@ -4,6 +4,7 @@
 // numerics.md says bf16(...).
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "reference/dense.hpp"
 #include "reference/layer_core.hpp"
@@ -23,6 +24,9 @@ void mlp_forward(const MlpWeights<Real>& w, const Real* x, int64_t n, Real* g, R
                  int threads) {
   const int64_t H = w.hidden, I = w.inter;
   if (n == 0) return;
+  if constexpr (std::is_same_v<Real, float>) {
+    if (w.fp8 != nullptr) return mlp_forward_fp8(w, x, n, g, u, o);
+  }
   // Step 1: g = bf16(dot(W_gate[i], v)), u = bf16(dot(W_up[i], v)).
   std::vector<Real> acc(static_cast<size_t>(n * I));
   gemm_nt<Real>({x, H, false}, w.gate, H, acc.data(), I, n, I, H, threads);
@@ -45,6 +49,9 @@ void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, 
                   int threads) {
   const int64_t H = w.hidden, I = w.inter;
   if (n == 0) return;
+  if constexpr (std::is_same_v<Real, float>) {
+    if (w.fp8 != nullptr) return mlp_backward_fp8(w, dy, row_w, g, u, n, dgu, hs, dx, dtopk_w);
+  }
   // Step 2: dhr[i] = dot(W_down[:, i], dy), j ascending: rows of W_down^T [I, H]. dy is
   // unscaled, so dhr is the gradient of the expert output o before the router weight.
   const std::vector<Real> down_t = transpose(w.down, H, I, I);
@@ -88,6 +95,9 @@ void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dy, const R
     std::fill(dup, dup + I * H, Real(0));
     std::fill(ddown, ddown + H * I, Real(0));
     return;
+  }
+  if constexpr (std::is_same_v<Real, float>) {
+    if (w.fp8 != nullptr && w.fp8->fp8_wgrad) return mlp_wgrad_fp8(w, x, dy, dgu, hs, n, dgate, dup, ddown);
   }
   // The reduction index is the row r, in the order the rows are given (canonical order).
   const std::vector<Real> x_t = transpose(x, n, H, H);     // [H, n]
