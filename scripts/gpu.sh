@@ -32,12 +32,12 @@ CPU machine:
 GPU machine (carry .devbin; each step's log goes to \$OUT/<step>.log, else to .devbin/logs/):
   info            nvidia-smi, mok info, the libraries found
   tests           every GPU test binary (EP >= 2 as simulated ranks when there are fewer GPUs)
-  sanitizers      compute-sanitizer memcheck and racecheck on small cases (EP 2 simulated on 1 GPU)
+  sanitizers      compute-sanitizer memcheck and racecheck on small cases (EP 2 simulated on 1 GPU; FP8 kinds)
   torchrun        test_comm_torchrun under torchrun, one process a GPU; the NCCL_COMM_ID bootstrap
   demo            mok demo --steps 150 (trains, then checks the bits of a second run)
   soak            mok soak --steps \$SOAK_STEPS (default 2000) -> \$OUT/soak.json
   python          python -m mok, pytest tests/python, the toy model on the GPU
-  bench-gemm      bench_gemm -> \$OUT/bench-gemm.json
+  bench-gemm      bench_gemm (bf16 and FP8 kinds side by side) -> \$OUT/bench-gemm.json
   bench-forward   bench_forward --shapes dsv3 --comm 8,12,16,24 -> \$OUT/bench-forward.json
   bench-backward  bench_backward --shapes dsv3,qwen3,gptoss --grad-mode bf16 -> \$OUT/bench-backward.json
   bench-comm      bench_comm --ctas 8,16,24,32 -> \$OUT/bench-comm.json
@@ -171,6 +171,12 @@ step_sanitizers() {
   sub memcheck-gemm 60 "${san[@]}" --tool memcheck "$BIN/test_gemm" --gtest_filter='*SanitizerSmall*'
   sub racecheck-gemm 90 "${san[@]}" --tool racecheck "$BIN/test_gemm" \
     --gtest_filter='*SanitizerSmallForward*:*SanitizerSmallDgrad*'
+  # The FP8 kinds (one small case of each) and the quantizers.
+  sub memcheck-gemm-fp8 90 "${san[@]}" --tool memcheck "$BIN/test_gemm_fp8" \
+    --gtest_filter='*Sanitizer*:*DgradInputPartial*:*DgradHiddenRoutedPartial*'
+  sub racecheck-gemm-fp8 120 "${san[@]}" --tool racecheck "$BIN/test_gemm_fp8" --gtest_filter='*Sanitizer*'
+  sub memcheck-fp8-quantize 90 "${san[@]}" --tool memcheck "$BIN/test_fp8_quantize" \
+    --gtest_filter='*RowsMatch*:*BlocksMatch*:*ColsTransposed*'
   sub memcheck-forward 150 "${san[@]}" --tool memcheck "$BIN/test_forward" --gtest_filter="$fwd"
   sub racecheck-forward 300 "${san[@]}" --tool racecheck "$BIN/test_forward" --gtest_filter="$fwd"
   sub racecheck-comm 60 "${san[@]}" --tool racecheck "$BIN/test_comm" --gtest_filter='Ep1/*Uniform*'
