@@ -584,6 +584,34 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     a.problems[2].out = mg + 2 * E * H * I;
     const float ms2 = median_ms([&] { wgrad(a, L, stream); }, reps, stream);
     res.push_back({"wgrad_accumulate_fp32", f, ms2, d, 0});
+    // The same three problems in FP8 (operands transposed and quantized along the tokens: random
+    // codes and scales), bf16 output, then fp32 main-grad accumulation, beside the two above.
+    {
+      const int64_t kb = R / 128;
+      uint8_t* ch = dalloc<uint8_t>(H * R);  // dy^T and x^T: [H, R]
+      uint8_t* ci = dalloc<uint8_t>(I * R);  // hs^T, dg^T, du^T: [I, R]
+      float* sh = dalloc<float>(kb * H);
+      float* si = dalloc<float>(kb * I);
+      fill_e4m3<<<1024, 256>>>(ch, H * R, 21);
+      fill_e4m3<<<1024, 256>>>(ci, I * R, 22);
+      fill_scales<<<256, 256>>>(sh, kb * H, 23);
+      fill_scales<<<256, 256>>>(si, kb * I, 24);
+      CK(cudaDeviceSynchronize());
+      WgradFp8Args a8;
+      a8.seg = b.seg;
+      a8.num_problems = 3;
+      a8.problems[0] = {{ch, sh}, {ci, si}, H, I, dw_d};
+      a8.problems[1] = {{ci, si}, {ch, sh}, I, H, dw_g};
+      a8.problems[2] = {{ci, si}, {ch, sh}, I, H, dw_u};
+      a8.mode = WgradOut::kWriteBf16;
+      res.push_back({"wgrad_fp8", f, median_ms([&] { wgrad_fp8(a8, L, stream); }, reps, stream), d, 0});
+      a8.mode = WgradOut::kAccumulateFp32;
+      a8.problems[0].out = mg;
+      a8.problems[1].out = mg + E * H * I;
+      a8.problems[2].out = mg + 2 * E * H * I;
+      res.push_back({"wgrad_fp8_accumulate_fp32", f, median_ms([&] { wgrad_fp8(a8, L, stream); }, reps, stream), d, 0});
+      for (void* p : {(void*)ch, (void*)ci, (void*)sh, (void*)si}) CK(cudaFree(p));
+    }
     CK(cudaFree(mg));
   }
   CK(cudaDeviceSynchronize());

@@ -101,8 +101,12 @@ struct TileConfig {
 // at most 128 (2 x 64 registers beside the epilogue's). A tile of more columns (GEMM 1: 128
 // gate | 128 up) runs kBN / kMmaN wgmma batches of kMmaN columns per stage, one after the
 // other, through the same promotion fragment (kBN + kMmaN fp32 registers).
-template <int BN, int Stages, int ClusterM, int MmaN = BN>
+// ColScales: the B operand's scales vary per output column too (the weight gradients, whose
+// operands are both quantized along the tokens): each stage then also carries the B tile's
+// kBN column scales, and the promotion takes sa[row] * sb[col] per value.
+template <int BN, int Stages, int ClusterM, int MmaN = BN, bool ColScales = false>
 struct Fp8TileConfig {
+  static constexpr bool kColScales = ColScales;
   static constexpr int kBM = 128;
   static constexpr int kBN = BN;
   static constexpr int kMmaN = MmaN;
@@ -128,7 +132,9 @@ struct Fp8TileConfig {
   static constexpr int kABytes = kBM * kBK;  // e4m3: one byte an element
   static constexpr int kBBytes = kBN * kBK;
   static constexpr int kAScaleBytes = kBM * 4;
-  static constexpr int kStageBytes = kABytes + kBBytes + kAScaleBytes;  // expect_tx of one stage
+  static constexpr int kBScaleCols = ColScales ? kBN : 1;  // floats of the stage's B scale slot
+  static constexpr int kBScaleBytes = ColScales ? kBN * 4 : 0;
+  static constexpr int kStageBytes = kABytes + kBBytes + kAScaleBytes + kBScaleBytes;  // expect_tx of one stage
 
   static constexpr int kEpiBoxBytes = 64 * kBoxInner * 2;
   static constexpr int kEpiBoxes = 2;
@@ -138,7 +144,8 @@ struct Fp8TileConfig {
 
   static constexpr int kBarrierBytes = 1024;
   // The scale ring sits behind the 1024-aligned tiles; the storage rounds up to 1 KiB.
-  static constexpr int kSmemBytes = kStages * (kABytes + kBBytes) + (kStages * kAScaleBytes + 1023) / 1024 * 1024 +
+  static constexpr int kSmemBytes = kStages * (kABytes + kBBytes) +
+                                    (kStages * (kAScaleBytes + kBScaleCols * 4) + 128 + 1023) / 1024 * 1024 +
                                     kConsumerWGs * kEpiBytesPerWG + kBarrierBytes + 1024 /*align*/;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "pipeline + epilogue staging exceed shared memory");
 };

@@ -1,4 +1,6 @@
 // Launchers of the FP8 kinds (sm_90a): validation, TMA descriptors, launch.
+#include <string>
+
 #include "mok/error.hpp"
 
 #include "gemm/grouped_gemm_fp8.hpp"
@@ -157,6 +159,54 @@ void dgrad_hidden_swiglu_fp8(const DgradHiddenFp8Args& a, const Launch& launch, 
     host::launch_kind<DgradHiddenRoutedFp8Kind<1>>(p, launch, stream);
   } else {
     host::launch_kind<DgradHiddenFp8Kind<1>>(p, launch, stream);
+  }
+}
+
+void wgrad_fp8(const WgradFp8Args& a, const Launch& launch, cudaStream_t stream) {
+  using host::check_pointer;
+  host::check_segments(a.seg);
+  host::check_launch(launch);
+  if (a.num_problems < 1 || a.num_problems > kMaxWgradProblemsPerCall) {
+    throw_invalid("num_problems", "in [1, " + std::to_string(kMaxWgradProblemsPerCall) + "]",
+                  std::to_string(a.num_problems));
+  }
+  const int64_t R = a.seg.buffer_rows;
+  WgradFp8Params p{};
+  for (int q = 0; q < a.num_problems; ++q) {
+    const WgradFp8Problem& pr = a.problems[q];
+    const std::string n = "problems[" + std::to_string(q) + "].";
+    host::check_multiple((n + "m").c_str(), pr.m, 64);
+    host::check_multiple((n + "n").c_str(), pr.n, 64);
+    check_pointer((n + "a.codes").c_str(), pr.a.codes);
+    check_pointer((n + "a.scales").c_str(), pr.a.scales);
+    check_pointer((n + "b.codes").c_str(), pr.b.codes);
+    check_pointer((n + "b.scales").c_str(), pr.b.scales);
+    check_pointer((n + "out").c_str(), pr.out);
+    WgradFp8ProblemParams& pp = p.problems[q];
+    pp.a = host::map_e4m3(pr.a.codes, 0, pr.m, R, 128, 128, "a.codes");
+    pp.b = host::map_e4m3(pr.b.codes, 0, pr.n, R, 128, 128, "b.codes");
+    pp.a_scales = host::map_f32_plain(pr.a.scales, R / 128, pr.m, 128, "a.scales");
+    pp.b_scales = host::map_f32_plain(pr.b.scales, R / 128, pr.n, 128, "b.scales");
+    pp.m = static_cast<int>(pr.m);
+    pp.n = static_cast<int>(pr.n);
+    pp.out = pr.out;
+    p.sched.m_tiles[q] = static_cast<int>(blocks_of(pr.m));
+    p.sched.n_tiles[q] = static_cast<int>(blocks_of(pr.n));
+  }
+  p.sched.offsets = a.seg.offsets;
+  p.sched.rows = a.seg.rows;
+  p.sched.row_begin = nullptr;
+  p.sched.row_end = nullptr;
+  p.sched.experts = a.seg.experts;
+  p.sched.num_problems = a.num_problems;
+  p.sched.group_m = kGroupM;
+  p.sched.cluster = 1;
+  p.err = host::error_sink(launch);
+  switch (a.mode) {
+    case WgradOut::kPartialFp32: host::launch_kind<WgradFp8Kind<kWgradPartialFp32>>(p, launch, stream); break;
+    case WgradOut::kWriteBf16: host::launch_kind<WgradFp8Kind<kWgradWriteBf16>>(p, launch, stream); break;
+    case WgradOut::kAccumulateFp32: host::launch_kind<WgradFp8Kind<kWgradAccumulateFp32>>(p, launch, stream); break;
+    default: throw_invalid("mode", "a WgradOut value", std::to_string(static_cast<int>(a.mode)));
   }
 }
 

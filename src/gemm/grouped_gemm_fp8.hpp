@@ -102,7 +102,31 @@ struct DgradHiddenFp8Args {
   NonFiniteRecord* nonfinite = nullptr;
 };
 
+// wgrad in FP8, K-grouped over each expert's segment rows: dW[e] [m, n] = sum over the
+// segment's rows r (in order, 128-row blocks from the segment start) of a[r]^T b[r], each block
+// with fp8's two-level accumulation: acc = fmaf(block sum, sa[mm][blk] * sb[nn][blk], acc).
+// The operands transposed and quantized along the tokens (quantize_cols_128x1_transposed):
+// codes [m (or n), buffer_rows], scales [buffer_rows / 128][m (or n)]. Modes as WgradOut:
+// kPartialFp32 writes the fp32 sums, kAccumulateFp32 adds them to an fp32 main grad (one add),
+// kWriteBf16 writes bf16(sums). Whole segments only (no row ranges, no seeding partial).
+struct Fp8Transposed {
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+};
+struct WgradFp8Problem {
+  Fp8Transposed a, b;
+  int64_t m = 0, n = 0;
+  void* out = nullptr;  // [E, m, n], dense
+};
+struct WgradFp8Args {
+  Segments seg;
+  WgradOut mode = WgradOut::kPartialFp32;
+  WgradFp8Problem problems[kMaxWgradProblemsPerCall];
+  int num_problems = 0;
+};
+
 void gemm2_fp8(const Gemm2Fp8Args& args, const Launch& launch, cudaStream_t stream);
+void wgrad_fp8(const WgradFp8Args& args, const Launch& launch, cudaStream_t stream);
 void dgrad_hidden_swiglu_fp8(const DgradHiddenFp8Args& args, const Launch& launch, cudaStream_t stream);
 void dgrad_input_fp8(const DgradInputFp8Args& args, const Launch& launch, cudaStream_t stream);
 void gemm1_swiglu_fp8(const Gemm1SwigluFp8Args& args, const Launch& launch, cudaStream_t stream);

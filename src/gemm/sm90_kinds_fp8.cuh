@@ -14,6 +14,7 @@
 #include "gemm/fp8_math.cuh"
 #include "gemm/grouped_gemm_fp8.hpp"
 #include "gemm/sm90_kinds_rows.cuh"
+#include "gemm/sm90_kinds_wgrad.cuh"
 
 namespace mok::gemm {
 
@@ -95,7 +96,7 @@ struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeSt
     cute::prefetch_tma_descriptor(&p.h_scales);
     cute::prefetch_tma_descriptor(&p.w_down);
   }
-  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
     tma_load_2d(&p.h, bar, a, 128 * k, t.row0);
     tma_load_2d(&p.h_scales, bar, sa, t.row0, k);
@@ -139,7 +140,7 @@ struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, 
     cute::prefetch_tma_descriptor(&p.wg_t);
     cute::prefetch_tma_descriptor(&p.wu_t);
   }
-  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
     const int half = p.k_steps / 2;
     const bool up = k >= half;
@@ -197,7 +198,7 @@ struct Gemm1SwigluFp8Kind
     cute::prefetch_tma_descriptor(&p.w_gate);
     cute::prefetch_tma_descriptor(&p.w_up);
   }
-  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
     tma_load_2d(&p.x, bar, a, 128 * k, t.row0);
     tma_load_2d(&p.x_scales, bar, sa, t.row0, k);
@@ -264,7 +265,7 @@ struct DgradHiddenFp8KindT
     cute::prefetch_tma_descriptor(&p.g);
     cute::prefetch_tma_descriptor(&p.u);
   }
-  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+  __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
     tma_load_2d(&p.dys, bar, a, 128 * k, t.row0);
     tma_load_2d(&p.dys_scales, bar, sa, t.row0, k);
@@ -312,5 +313,84 @@ template <int C>
 using DgradHiddenFp8Kind = DgradHiddenFp8KindT<C, false>;
 template <int C>
 using DgradHiddenRoutedFp8Kind = DgradHiddenFp8KindT<C, true>;
+
+// ---- wgrad, K-grouped ---------------------------------------------------------------------
+// dW[e] [M, N] = sum over the expert's rows r of a[r]^T b[r], the rows being the reduction:
+// both operands arrive transposed and quantized along the tokens (quantize_cols_128x1_transposed:
+// a^T codes [M, buffer_rows], scales [buffer_rows / 128][M]), so each K step of 128 rows is one
+// scale block of both, and B's scales vary per output column (Fp8TileConfig<.., ColScales>).
+// Tile 128 x 128 over (problem, expert, m, n) as the bf16 wgrad's scheduler; the K range is the
+// expert's segment rows in 128-row steps from its start (its real rows rounded up: padding rows
+// are zero codes). Epilogue: predicated global stores per fragment pair (fp32 sums, fp32 main
+// grad += sums, or bf16).
+struct WgradFp8ProblemParams {
+  CUtensorMap a, b;                // codes [M or N, rows], box 128 x 128
+  CUtensorMap a_scales, b_scales;  // fp32 [rows / 128, M or N], box 128 x 1
+  int m, n;
+  void* out;                       // [E, M, N]: fp32 (sums / main grad) or bf16
+};
+struct WgradFp8Params {
+  WgradFp8ProblemParams problems[kMaxWgradProblems];
+  KGroupedScheduler sched;  // m_tiles = ceil(M / 128), n_tiles = ceil(N / 128)
+  ErrorSink err;
+};
+
+template <int Mode>
+struct WgradFp8Kind {
+  using Cfg = Fp8TileConfig<128, kFp8PipeStages, 1, 128, true>;
+  using Params = WgradFp8Params;
+  using Problem = WgradFp8ProblemParams;
+  static constexpr bool kSegTable = false;
+  __device__ static const Problem& problem(const Params& p, const KTile& t) { return p.problems[t.problem]; }
+  __device__ static void prefetch_descriptors(const Params& p) {
+    for (int q = 0; q < p.sched.num_problems; ++q) {
+      cute::prefetch_tma_descriptor(&p.problems[q].a);
+      cute::prefetch_tma_descriptor(&p.problems[q].b);
+    }
+  }
+  __device__ static KGroupedScheduler scheduler(const Params& p) { return p.sched; }
+  __device__ static KTile tile(const Params&, const KGroupedScheduler& s, int t, int rank, uint32_t seg_smem = 0) {
+    return s.tile(t, rank, seg_smem);
+  }
+  __device__ static void producer_check(const Params&, const KTile&) {}
+  // The scheduler counts 64-row steps from the segment start; FP8 steps are 128 rows.
+  __device__ static int k_steps(const Params&, const KTile& t) { return (t.k_steps + 1) / 2; }
+  template <class Acc>
+  __device__ static void seed(const Params&, const KTile&, const EpiCtx&, Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < cute::size(acc); ++i) acc(i) = 0.0f;
+  }
+  __device__ static void load_stage(const Params& p, const KTile& t, int k, uint8_t* a, uint8_t* b, float* sa,
+                                    float* sb, uint64_t* bar, int) {
+    const Problem& pr = problem(p, t);
+    const int row = t.row0 + 128 * k;
+    tma_load_2d(&pr.a, bar, a, row, 128 * t.m_tile);
+    tma_load_2d(&pr.a_scales, bar, sa, 128 * t.m_tile, row / 128);
+    tma_load_2d(&pr.b, bar, b, row, 128 * t.n_tile);
+    tma_load_2d(&pr.b_scales, bar, sb, 128 * t.n_tile, row / 128);
+  }
+  __device__ static float b_scale(const Params&, const KTile&, int, int) { return 1.0f; }  // per column instead
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    const Problem& pr = problem(p, t);
+#pragma unroll
+    for (int i = 0; i < cute::size(acc); i += 2) {
+      const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2), n = 128 * t.n_tile + ctx.col(i / 4);
+      if (m >= pr.m || n >= pr.n) continue;
+      const int64_t off = (int64_t{t.expert} * pr.m + m) * pr.n + n;
+      if constexpr (Mode == kWgradWriteBf16) {
+        reinterpret_cast<uint32_t*>(pr.out)[off / 2] = pack_bf16x2(acc(i), acc(i + 1));
+      } else {
+        float2* o = reinterpret_cast<float2*>(static_cast<float*>(pr.out) + off);
+        float2 v = make_float2(acc(i), acc(i + 1));
+        if constexpr (Mode == kWgradAccumulateFp32) {
+          const float2 old = *o;
+          v = make_float2(old.x + v.x, old.y + v.y);
+        }
+        *o = v;
+      }
+    }
+  }
+};
 
 }  // namespace mok::gemm

@@ -33,6 +33,7 @@ struct AScaleRing {};
 template <class Cfg>
 struct AScaleRing<Cfg, true> {
   alignas(128) float sa[Cfg::kStages][Cfg::kBM];
+  alignas(128) float sb[Cfg::kStages][Cfg::kBScaleCols];  // column scales (kColScales), else unused
 };
 
 template <class Cfg>
@@ -201,8 +202,8 @@ __device__ void tma_producer(const typename Kind::Params& p, SharedStorage<Cfg>&
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.bars.full[st.index],
                                                                      Cfg::kStageBytes);
       if constexpr (Cfg::kFp8) {
-        Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], ss.scales.sa[st.index], &ss.bars.full[st.index],
-                         rank);
+        Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], ss.scales.sa[st.index], ss.scales.sb[st.index],
+                         &ss.bars.full[st.index], rank);
       } else {
         Kind::load_stage(p, tile, k, ss.a[st.index], ss.b[st.index], &ss.bars.full[st.index], rank);
       }
@@ -462,14 +463,30 @@ __device__ bool mma_mainloop_fp8(const typename Kind::Params& p, const Tile& til
       if (c == 0) during_k_loop(k);
       cute::warpgroup_wait<0>();
       cute::warpgroup_fence_operand(part);
-      if (c == kParts - 1) {
-        release_stage(ss, st.index, ctx.tid);
-        st.advance();
-      }
-      const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
+      if constexpr (Cfg::kColScales) {
+        // acc = fmaf(part, sa[row] * sb[col], acc), sb from the stage (read before its release).
+        const float* sbc = ss.scales.sb[st.index] + Cfg::kMmaN * c;
 #pragma unroll
-      for (int i = 0; i < kPartSize; ++i) {
-        acc(kPartSize * c + i) = fmaf(part(i), (i / 2) % 2 ? s1 : s0, acc(kPartSize * c + i));
+        for (int i = 0; i < kPartSize; i += 2) {
+          const float2 sbv = *reinterpret_cast<const float2*>(sbc + ctx.col(i / 4));
+          const float sar = (i / 2) % 2 ? sa1 : sa0;
+          acc(kPartSize * c + i) = fmaf(part(i), sar * sbv.x, acc(kPartSize * c + i));
+          acc(kPartSize * c + i + 1) = fmaf(part(i + 1), sar * sbv.y, acc(kPartSize * c + i + 1));
+        }
+        if (c == kParts - 1) {
+          release_stage(ss, st.index, ctx.tid);
+          st.advance();
+        }
+      } else {
+        if (c == kParts - 1) {
+          release_stage(ss, st.index, ctx.tid);
+          st.advance();
+        }
+        const float s0 = sa0 * sb[c], s1 = sa1 * sb[c];
+#pragma unroll
+        for (int i = 0; i < kPartSize; ++i) {
+          acc(kPartSize * c + i) = fmaf(part(i), (i / 2) % 2 ? s1 : s0, acc(kPartSize * c + i));
+        }
       }
     }
   }

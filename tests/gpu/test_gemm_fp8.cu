@@ -537,6 +537,128 @@ TEST(GemmFp8, Gemm1SwigluNonFiniteHIsReported) {
 }
 TEST(GemmFp8, SanitizerSmallGemm1) { SKIP_WITHOUT_GPU(); test_gemm1_fp8({{70, 0, 129}, {0, 0, 1}, 128, 192}, 24); }
 
+// ---- wgrad ------------------------------------------------------------------------------
+
+// A row operand [buffer_rows, cols] (padding rows zero) transposed and quantized along the rows:
+// codes [cols][buffer_rows], scales re-laid [buffer_rows / 128][cols] (the GPU layout).
+struct QuantCols {
+  ref::Fp8Tensor q;  // of the transpose [cols, buffer_rows], 1x128 blocks along the rows
+  std::vector<float> scales_blockmajor;
+  std::vector<float> exact;  // [buffer_rows, cols]
+};
+
+QuantCols make_cols(const SegmentLayout& l, int64_t cols, uint32_t seed) {
+  QuantCols c;
+  const Bits b = random_rows(l, cols, seed, 1.0f);
+  c.exact = to_float(b);
+  const int64_t R = l.buffer_rows;
+  Bits t(static_cast<size_t>(cols * R));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < cols; ++j) t[j * R + r] = b[r * cols + j];
+  c.q = ref::quantize_rows_1x128(t.data(), cols, R, "a^T");
+  const int64_t kb = R / 128;
+  c.scales_blockmajor.resize(static_cast<size_t>(kb * cols));
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t k = 0; k < kb; ++k) c.scales_blockmajor[k * cols + j] = c.q.scales[j * kb + k];
+  return c;
+}
+
+void test_wgrad_fp8(const Shape& s, uint32_t seed) {
+  const SegmentLayout l = make_layout(s.rows, s.extra);
+  const int E = static_cast<int>(s.rows.size());
+  const int64_t R = l.buffer_rows, kb = R / 128;
+  // dW_down = dy^T hs (M = H, N = I), dW_gate = dg^T x (M = I, N = H).
+  const int64_t ms[2] = {s.H, s.I}, ns[2] = {s.I, s.H};
+  std::vector<QuantCols> a, b;
+  for (int q = 0; q < 2; ++q) {
+    a.push_back(make_cols(l, ms[q], seed + 10 * q));
+    b.push_back(make_cols(l, ns[q], seed + 10 * q + 1));
+  }
+  // Reference: per expert, the two-level dot over the segment's rows in 128-row blocks.
+  std::vector<std::vector<float>> ref(2), exact(2);
+  for (int q = 0; q < 2; ++q) {
+    const int64_t M = ms[q], N = ns[q];
+    ref[q].assign(E * M * N, 0.0f);
+    exact[q].assign(E * M * N, 0.0f);
+    for (int e = 0; e < E; ++e) {
+      const int64_t off = l.offsets[e], len = l.seg_len(e);
+      if (len == 0) continue;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          ref[q][(e * M + m) * N + n] =
+              ref::dot_fp8(a[q].q.data.data() + m * R + off, a[q].q.scales.data() + m * kb + off / 128,
+                           b[q].q.data.data() + n * R + off, b[q].q.scales.data() + n * kb + off / 128, len);
+          double d = 0;
+          for (int64_t r = off; r < off + len; ++r) d += double(a[q].exact[r * M + m]) * b[q].exact[r * N + n];
+          exact[q][(e * M + m) * N + n] = static_cast<float>(d);
+        }
+    }
+  }
+  DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
+  DeviceBuffer<uint32_t> d_err(1);
+  cudaMemset(d_err.ptr, 0, sizeof(uint32_t));
+  std::vector<DeviceBuffer<uint8_t>> ac, bc;
+  std::vector<DeviceBuffer<float>> as, bs, out;
+  for (int q = 0; q < 2; ++q) {
+    ac.push_back(device(a[q].q.data));
+    bc.push_back(device(b[q].q.data));
+    as.push_back(device(a[q].scales_blockmajor));
+    bs.push_back(device(b[q].scales_blockmajor));
+    out.emplace_back(static_cast<size_t>(E * ms[q] * ns[q]));
+  }
+  gemm::WgradFp8Args args;
+  args.seg = {d_off.ptr, d_rows.ptr, E, R};
+  args.num_problems = 2;
+  for (int q = 0; q < 2; ++q) {
+    args.problems[q].a = {ac[q].ptr, as[q].ptr};
+    args.problems[q].b = {bc[q].ptr, bs[q].ptr};
+    args.problems[q].m = ms[q];
+    args.problems[q].n = ns[q];
+    args.problems[q].out = out[q].ptr;
+  }
+  std::vector<float> first[2];
+  for (int grid : kGrids) {
+    for (auto& o : out) o.poison();
+    args.mode = gemm::WgradOut::kPartialFp32;
+    gemm::wgrad_fp8(args, {grid, d_err.ptr, 10.0, 0}, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(d_err.download()[0], 0u) << "kernel error flag";
+    for (int q = 0; q < 2; ++q) {
+      const auto got = out[q].download();
+      if (grid == kGrids[0]) {
+        const double err = rel_err(got, ref[q]), vs = rel_err(got, exact[q]);
+        std::printf("wgrad_fp8 problem %d (M=%lld N=%lld): rel err vs reference %.3g, vs the bf16-input sums %.3g\n", q,
+                    static_cast<long long>(ms[q]), static_cast<long long>(ns[q]), err, vs);
+        EXPECT_LE(err, kTol);
+        EXPECT_LE(vs, 0.1);
+        first[q] = got;
+      } else {
+        expect_bitwise_equal(got, first[q], "wgrad_fp8 problem " + std::to_string(q) + ", grid " + std::to_string(grid));
+      }
+    }
+  }
+  // Main grads: out += sums (one fp32 add per element), from a random start.
+  for (int q = 0; q < 2; ++q) {
+    std::vector<float> init(out[q].count);
+    for (size_t i = 0; i < init.size(); ++i) init[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+    out[q].upload(init);
+    args.mode = gemm::WgradOut::kAccumulateFp32;
+    if (q == 1) {
+      gemm::wgrad_fp8(args, {0, d_err.ptr, 10.0, 0}, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (int p = 0; p < 2; ++p) {
+        std::vector<float> want(first[p].size()), init_p(out[p].count);
+        for (size_t i = 0; i < init_p.size(); ++i) init_p[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+        for (size_t i = 0; i < want.size(); ++i) want[i] = init_p[i] + first[p][i];
+        expect_bitwise_equal(out[p].download(), want, "wgrad_fp8 accumulate problem " + std::to_string(p));
+      }
+    }
+  }
+}
+
+TEST(GemmFp8, WgradPartialBlocks) { SKIP_WITHOUT_GPU(); test_wgrad_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 192, 320}, 51); }
+TEST(GemmFp8, WgradLarger) { SKIP_WITHOUT_GPU(); test_wgrad_fp8({{200, 513, 0, 384}, {}, 512, 256}, 52); }
+
 TEST(GemmFp8, RejectsBadArguments) {
   gemm::Gemm2Fp8Args a;
   int32_t dummy[4] = {};
@@ -562,6 +684,23 @@ TEST(GemmFp8, RejectsBadArguments) {
   expect_named({}, "h.scales");
   a.h.scales = reinterpret_cast<const float*>(buf);
   expect_named({0, nullptr, 10.0, 2}, "launch.cluster");
+  gemm::WgradFp8Args w;
+  w.seg = a.seg;
+  try {
+    gemm::wgrad_fp8(w, {}, nullptr);  // no problem
+    ADD_FAILURE() << "no error for num_problems = 0";
+  } catch (const mok::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_problems"), std::string::npos) << e.what();
+  }
+  w.num_problems = 1;
+  w.problems[0] = {{buf, reinterpret_cast<const float*>(buf)}, {buf, reinterpret_cast<const float*>(buf)}, 100, 128,
+                   buf};
+  try {
+    gemm::wgrad_fp8(w, {}, nullptr);  // m not a multiple of 64
+    ADD_FAILURE() << "no error for m = 100";
+  } catch (const mok::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("problems[0].m"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
