@@ -165,14 +165,34 @@ def plain_moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Ten
     """
     if impl not in IMPLS:
         raise invalid_argument("impl", f"one of {IMPLS}", repr(impl))
-    group, ep, rank = _resolve_group(ep_group)
+    if impl == "auto":
+        impl = "grouped_mm" if grouped_mm_available(x.device) else "loop"
+    if impl == "grouped_mm":
+        def experts(buf: Tensor, sizes: list) -> Tensor:
+            offs = torch.tensor(sizes, dtype=torch.int32, device=buf.device).cumsum(0, dtype=torch.int32)
+            return _experts_grouped_mm(buf, w1, w3, w2, offs)
+    else:
+        def experts(buf: Tensor, sizes: list) -> Tensor:
+            return _experts_loop(buf, w1, w3, w2, sizes)
+    shared = None if shared_w1 is None else (lambda x2: _swiglu(x2, shared_w1, shared_w3, shared_w2))
+    return route_through_experts(x, topk_idx, topk_weights, w1.shape[0], ep_group,
+                                 align if impl == "grouped_mm" else None, experts, shared)
+
+
+def route_through_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, E_local: int, ep_group,
+                          align: int | None, experts, shared) -> Tensor:
+    """The plain layer's data path around its expert GEMMs (shared by the bf16 and the FP8 plain layers).
+
+    Sorts the (token, k) slots by expert, exchanges the counts (one host sync) and the rows over ``ep_group``,
+    builds the expert-major buffer (each expert's rows padded with zero rows to a multiple of ``align``, at least
+    ``align``; unpadded when ``align`` is None), calls ``experts(buf, sizes)`` -> the rows' outputs, takes them
+    back to (token, k) order and combines in fp32 with ``shared(x2)`` (or None) added; one rounding at the end.
+    """
+    group, ep, _ = _resolve_group(ep_group)
     lead, H = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, H)
     T, K = x2.shape[0], topk_idx.shape[-1]
-    E_local = w1.shape[0]
     E = E_local * ep
-    if impl == "auto":
-        impl = "grouped_mm" if grouped_mm_available(x.device) else "loop"
     dev = x.device
 
     # 1. (token, k) slots sorted by global expert; the rows travel in this order.
@@ -199,9 +219,9 @@ def plain_moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Ten
         C = counts.view(1, E_local)
         recv = send
 
-    # 4. expert-major order, groups padded to `align` rows (grouped_mm) or unpadded (loop).
+    # 4. expert-major order, groups padded to `align` rows (or unpadded).
     per_expert = [sum(recv_matrix[r][j] for r in range(ep)) for j in range(E_local)]
-    if impl == "grouped_mm":
+    if align is not None:
         sizes = [max(align, -(-n // align) * align) for n in per_expert]
     else:
         sizes = per_expert
@@ -213,25 +233,22 @@ def plain_moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1: Ten
     seg = torch.repeat_interleave(torch.arange(ep * E_local, device=dev), C.reshape(-1), output_size=n_recv)
     dest = dest_start[seg] + torch.arange(n_recv, device=dev) - recv_start[seg]
     rows = sum(sizes)
-    buf = _ScatterRows.apply(recv, dest, rows) if (impl == "grouped_mm" or ep > 1) else recv
+    moved = align is not None or ep > 1
+    buf = _ScatterRows.apply(recv, dest, rows) if moved else recv
 
     # 5. experts
-    if impl == "grouped_mm":
-        offs = torch.tensor(sizes, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
-        out = _experts_grouped_mm(buf, w1, w3, w2, offs)
-    else:
-        out = _experts_loop(buf, w1, w3, w2, sizes)
+    out = experts(buf, sizes)
 
     # 6. back to the source ranks, back to (token, k) order
-    back = _GatherRows.apply(out, dest) if (impl == "grouped_mm" or ep > 1) else out
+    back = _GatherRows.apply(out, dest) if moved else out
     if group is not None:
         back = _AllToAll.apply(back, send_splits, recv_splits, group)
     slots = _ScatterRows.apply(back, order, T * K).view(T, K, H)
 
     # 7. combine in fp32, k = 0..K-1, plus the shared expert; one rounding to bf16
     y = (slots.float() * topk_weights.reshape(T, K, 1).float()).sum(dim=1)
-    if shared_w1 is not None:
-        y = y + _swiglu(x2, shared_w1, shared_w3, shared_w2).float()
+    if shared is not None:
+        y = y + shared(x2).float()
     return y.to(x.dtype).view(*lead, H)
 
 

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from mok.errors import invalid_argument
 
-from .plain import _AllToAll, _DispatchRows, _GatherRows, _resolve_group, _ScatterRows
+from .plain import route_through_experts
 
 __all__ = ["plain_moe_experts_fp8", "fp8_grouped_mm_available", "quantize_rowwise", "E4M3_MAX", "AMAX_FLOOR"]
 
@@ -253,69 +253,23 @@ def plain_moe_experts_fp8(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w1:
     ``plain_moe_experts``' arguments and results (torchtitan layout: w1/w3 [E_local, I, H], w2 [E_local, H, I];
     shared_w1/w3 [I_sh, H], shared_w2 [H, I_sh]; ep_group None, mok.torch.LOCAL or a ProcessGroup) with its
     ``impl="grouped_mm"`` data path: the same sort, count exchange, all-to-all, expert-major buffer padded to
-    ``align`` rows per expert (here a multiple of 16), reverse path and fp32 combine, built from its autograd
-    functions. Only the GEMMs differ: FP8 e4m3 with rowwise scales through ``torch._scaled_grouped_mm`` (routed
+    ``align`` rows per expert (here a multiple of 16), reverse path and fp32 combine: ``plain.route_through_experts``.
+    Only the GEMMs differ: FP8 e4m3 with rowwise scales through ``torch._scaled_grouped_mm`` (routed
     experts) and ``torch._scaled_mm`` (shared expert), bf16 out (module docstring). fast_accum: the kernels'
     ``use_fast_accum`` (torchao's choice, True). H, I and I_sh must be multiples of 16.
     """
     _require_fp8(x.device)
     H = x.shape[-1]
     _check_dims(H, w1, w2, w3, shared_w1, align)
-    group, ep, _ = _resolve_group(ep_group)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, H)
-    T, K = x2.shape[0], topk_idx.shape[-1]
     E_local = w1.shape[0]
-    E = E_local * ep
-    dev = x.device
 
-    # 1-3. (token, k) slots sorted by global expert; counts exchanged (one host sync); rows dispatched.
-    flat = topk_idx.reshape(T * K).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
-    send = _DispatchRows.apply(x2, order, K)
-    if group is not None:
-        import torch.distributed as dist
+    def experts(buf: Tensor, sizes: list) -> Tensor:
+        sizes_t = torch.tensor(sizes, dtype=torch.int32, device=buf.device)
+        offs = sizes_t.cumsum(0, dtype=torch.int32)
+        row_group = torch.repeat_interleave(torch.arange(E_local, device=buf.device), sizes_t,
+                                            output_size=buf.shape[0])
+        return _experts_fp8(buf, w1, w3, w2, offs, row_group, fast_accum)
 
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
-        host = torch.cat([counts, recv_counts]).tolist()
-        send_splits = [sum(host[r * E_local:(r + 1) * E_local]) for r in range(ep)]
-        recv_matrix = [host[E + r * E_local:E + (r + 1) * E_local] for r in range(ep)]
-        recv_splits = [sum(row) for row in recv_matrix]
-        C = recv_counts.view(ep, E_local)
-        recv = _AllToAll.apply(send, recv_splits, send_splits, group)
-    else:
-        recv_matrix = [counts.tolist()]
-        C = counts.view(1, E_local)
-        recv = send
-
-    # 4. expert-major buffer, each expert's group padded with zero rows to a multiple of `align` (>= align).
-    per_expert = [sum(recv_matrix[r][j] for r in range(ep)) for j in range(E_local)]
-    sizes = [max(align, -(-n // align) * align) for n in per_expert]
-    starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=dev).cumsum(0)
-    dest_start = (starts.unsqueeze(0) + C.cumsum(0) - C).reshape(-1)
-    recv_start = C.reshape(-1).cumsum(0) - C.reshape(-1)
-    n_recv = recv.shape[0]
-    seg = torch.repeat_interleave(torch.arange(ep * E_local, device=dev), C.reshape(-1), output_size=n_recv)
-    dest = dest_start[seg] + torch.arange(n_recv, device=dev) - recv_start[seg]
-    rows = sum(sizes)
-    buf = _ScatterRows.apply(recv, dest, rows)
-
-    # 5. experts in FP8
-    sizes_t = torch.tensor(sizes, dtype=torch.int32, device=dev)
-    offs = sizes_t.cumsum(0, dtype=torch.int32)
-    row_group = torch.repeat_interleave(torch.arange(E_local, device=dev), sizes_t, output_size=rows)
-    out = _experts_fp8(buf, w1, w3, w2, offs, row_group, fast_accum)
-
-    # 6. back to the source ranks, back to (token, k) order
-    back = _GatherRows.apply(out, dest)
-    if group is not None:
-        back = _AllToAll.apply(back, send_splits, recv_splits, group)
-    slots = _ScatterRows.apply(back, order, T * K).view(T, K, H)
-
-    # 7. combine in fp32, k = 0..K-1, plus the shared expert; one rounding
-    y = (slots.float() * topk_weights.reshape(T, K, 1).float()).sum(dim=1)
-    if shared_w1 is not None:
-        y = y + _swiglu_fp8(x2, shared_w1, shared_w3, shared_w2, fast_accum).float()
-    return y.to(x.dtype).view(*lead, H)
+    shared = None if shared_w1 is None else (
+        lambda x2: _swiglu_fp8(x2, shared_w1, shared_w3, shared_w2, fast_accum))
+    return route_through_experts(x, topk_idx, topk_weights, E_local, ep_group, align, experts, shared)
