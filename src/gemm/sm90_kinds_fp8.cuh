@@ -73,6 +73,14 @@ __device__ inline void quantize_row_block(const EpiCtx& ctx, Bits bits, int64_t 
   }
 }
 
+// The A stage of a row kind: K block k of the tile's 128 rows (codes, box 128 x 128) and their
+// scales of that block (box 128 x 1 of the K-block-major scales).
+__device__ inline void load_a_fp8(const CUtensorMap* codes, const CUtensorMap* scales, uint64_t* bar, uint8_t* a,
+                                  float* sa, int k, int row0) {
+  tma_load_2d(codes, bar, a, 128 * k, row0);
+  tma_load_2d(scales, bar, sa, row0, k);
+}
+
 // ---- GEMM 2 ------------------------------------------------------------------------------
 // Tile: 128 rows x 128 output columns (one weight block row); K blocks of 128.
 struct Gemm2Fp8Params {
@@ -98,8 +106,7 @@ struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeSt
   }
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
-    tma_load_2d(&p.h, bar, a, 128 * k, t.row0);
-    tma_load_2d(&p.h_scales, bar, sa, t.row0, k);
+    load_a_fp8(&p.h, &p.h_scales, bar, a, sa, k, t.row0);
     tma_load_3d(&p.w_down, bar, b, 128 * k, 128 * t.n_tile, t.expert);
   }
   __device__ static float b_scale(const Params& p, const RowTile& t, int k, int) {
@@ -145,8 +152,7 @@ struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, 
     const int half = p.k_steps / 2;
     const bool up = k >= half;
     const int kk = up ? k - half : k;
-    tma_load_2d(up ? &p.du : &p.dg, bar, a, 128 * kk, t.row0);
-    tma_load_2d(up ? &p.du_scales : &p.dg_scales, bar, sa, t.row0, kk);
+    load_a_fp8(up ? &p.du : &p.dg, up ? &p.du_scales : &p.dg_scales, bar, a, sa, kk, t.row0);
     tma_load_3d(up ? &p.wu_t : &p.wg_t, bar, b, 128 * kk, 128 * t.n_tile, t.expert);
   }
   __device__ static float b_scale(const Params& p, const RowTile& t, int k, int) {
@@ -200,8 +206,7 @@ struct Gemm1SwigluFp8Kind
   }
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
-    tma_load_2d(&p.x, bar, a, 128 * k, t.row0);
-    tma_load_2d(&p.x_scales, bar, sa, t.row0, k);
+    load_a_fp8(&p.x, &p.x_scales, bar, a, sa, k, t.row0);
     tma_load_3d(&p.w_gate, bar, b, 128 * k, 128 * t.n_tile, t.expert);
     tma_load_3d(&p.w_up, bar, b + Cfg::kBBytes / 2, 128 * k, 128 * t.n_tile, t.expert);
   }
@@ -267,8 +272,7 @@ struct DgradHiddenFp8KindT
   }
   __device__ static void load_stage(const Params& p, const RowTile& t, int k, uint8_t* a, uint8_t* b, float* sa, float*,
                                     uint64_t* bar, int) {
-    tma_load_2d(&p.dys, bar, a, 128 * k, t.row0);
-    tma_load_2d(&p.dys_scales, bar, sa, t.row0, k);
+    load_a_fp8(&p.dys, &p.dys_scales, bar, a, sa, k, t.row0);
     tma_load_3d(&p.w_down_t, bar, b, 128 * k, 256 * t.n_tile, t.expert);
     tma_load_3d(&p.w_down_t, bar, b + Cfg::kBBytes / 2, 128 * k, 256 * t.n_tile + 128, t.expert);
   }
