@@ -179,19 +179,15 @@ QuantWeights transposed(const QuantWeights& w, int E, int64_t n, int64_t k) {
   return t;
 }
 
-// The two-level FP8 dot (docs/fp8.md) over consecutive K ranges in one accumulator: blocks of
-// a (row m) with w (row n), the first range's blocks first.
+// The two-level FP8 dot (docs/fp8.md) over consecutive K ranges in one accumulator: row m of
+// each range's a with row n of its w, the first range's blocks first (ref::dot_fp8_from).
 float dot_fp8_ranges(const std::vector<std::pair<const ref::Fp8Tensor*, const ref::Fp8Tensor*>>& ranges, int64_t m,
                      int64_t n) {
   float acc = 0.0f;
   for (const auto& [a, w] : ranges) {
-    for (int64_t b = 0; b < a->scale_cols(); ++b) {
-      float partial = 0.0f;
-      for (int64_t c = 128 * b; c < std::min<int64_t>(a->cols, 128 * b + 128); ++c) {
-        partial += ref::from_e4m3(a->data[m * a->cols + c]) * ref::from_e4m3(w->data[n * w->cols + c]);
-      }
-      acc = std::fmaf(partial, a->scale_at(m, 128 * b) * w->scale_at(n, 128 * b), acc);
-    }
+    const int64_t kb = a->scale_cols();
+    acc = ref::dot_fp8_from(acc, a->data.data() + m * a->cols, a->scales.data() + m * kb,
+                            w->data.data() + n * w->cols, w->scales.data() + (n / w->block_rows) * kb, a->cols);
   }
   return acc;
 }
@@ -638,21 +634,19 @@ void test_wgrad_fp8(const Shape& s, uint32_t seed) {
     }
   }
   // Main grads: out += sums (one fp32 add per element), from a random start.
+  std::vector<float> init[2];
   for (int q = 0; q < 2; ++q) {
-    std::vector<float> init(out[q].count);
-    for (size_t i = 0; i < init.size(); ++i) init[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
-    out[q].upload(init);
-    args.mode = gemm::WgradOut::kAccumulateFp32;
-    if (q == 1) {
-      gemm::wgrad_fp8(args, {0, d_err.ptr, 10.0, 0}, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      for (int p = 0; p < 2; ++p) {
-        std::vector<float> want(first[p].size()), init_p(out[p].count);
-        for (size_t i = 0; i < init_p.size(); ++i) init_p[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
-        for (size_t i = 0; i < want.size(); ++i) want[i] = init_p[i] + first[p][i];
-        expect_bitwise_equal(out[p].download(), want, "wgrad_fp8 accumulate problem " + std::to_string(p));
-      }
-    }
+    init[q].resize(out[q].count);
+    for (size_t i = 0; i < init[q].size(); ++i) init[q][i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+    out[q].upload(init[q]);
+  }
+  args.mode = gemm::WgradOut::kAccumulateFp32;
+  gemm::wgrad_fp8(args, {0, d_err.ptr, 10.0, 0}, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int q = 0; q < 2; ++q) {
+    std::vector<float> want(first[q].size());
+    for (size_t i = 0; i < want.size(); ++i) want[i] = init[q][i] + first[q][i];
+    expect_bitwise_equal(out[q].download(), want, "wgrad_fp8 accumulate problem " + std::to_string(q));
   }
 }
 
