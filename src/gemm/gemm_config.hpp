@@ -37,27 +37,11 @@ inline constexpr int kPipeStages = kEpiBuffers == 2 ? 3 : 4;  // the kinds' Tile
 // 2: +0.5-2 % against 0 in steady state (docs/gemm.md, 2026-11-30, b52dcab).
 inline constexpr int kDeferWg1Shift = 2;
 
-// One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
-// bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
-// each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.
-// Clusters of kClusterM CTAs work on vertically adjacent tiles that share their B tile: each
-// CTA loads 1/kClusterM of it and multicasts it to the cluster (halves the L2->SM traffic of B).
-// wgrad too runs these cooperative 128 x 256 tiles: ping-pong consumers with 128 x 128 tiles
-// measured 0.93x (docs/gemm.md, 2026-11-30; the kind is at 0b38498).
-template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM>
-struct TileConfig {
+// What every tile of the engine shares, bf16 or FP8: 128 rows, one producer warpgroup (a single
+// TMA-issuing thread) and two consumer warpgroups of 64 rows each, their registers, the epilogue
+// staging and the barrier block.
+struct CtaShape {
   static constexpr int kBM = 128;
-  static constexpr int kBN = BN;
-  static constexpr int kBK = 64;
-  static constexpr int kStages = Stages;
-  static constexpr Major kAMajor = AMajor;
-  static constexpr Major kBMajor = BMajor;
-  static constexpr int kClusterM = ClusterM;
-  static constexpr bool kFp8 = false;  // bf16 operands, accumulated by wgmma in place
-  static constexpr int kAScaleBytes = 0;
-  static constexpr int kMmaN = BN;  // one wgmma covers the tile's columns
-  static_assert(ClusterM == 1 || ClusterM == 2, "clusters of 1 or 2 CTAs along M");
-
   static constexpr int kConsumerWGs = 2;
   static constexpr int kWGRows = kBM / kConsumerWGs;  // 64: one wgmma M per warpgroup
   static constexpr int kThreads = kWarpGroupThreads * (1 + kConsumerWGs);
@@ -69,11 +53,6 @@ struct TileConfig {
   static constexpr int kConsumerRegs = 232;
   static_assert(kProducerRegs * kWarpGroupThreads + kConsumerRegs * kConsumerThreads <= 65536,
                 "register budget of one SM exceeded");
-  static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N is at most 256 and boxes are 64 wide");
-
-  static constexpr int kABytes = kBM * kBK * 2;
-  static constexpr int kBBytes = kBN * kBK * 2;
-  static constexpr int kStageBytes = kABytes + kBBytes;  // expect_tx of one stage
 
   // Epilogue staging: per consumer warpgroup 64 rows x 128 bf16 columns = two 64x64 SW128
   // TMA-store boxes (16 KiB). Outputs wider than 128 columns are stored in rounds.
@@ -83,10 +62,36 @@ struct TileConfig {
   static constexpr int kEpiBufferBytes = kEpiBoxes * kEpiBoxBytes;
   static constexpr int kEpiBytesPerWG = kEpiBuffers * kEpiBufferBytes;
 
-
   // SharedStorage (sm90_roles.cuh) is 1024-aligned: its barriers occupy one 1 KiB block,
   // and the dynamic allocation carries 1 KiB of slack to align its base.
   static constexpr int kBarrierBytes = 1024;
+};
+
+// One CTA: a 128 x kBN output tile, K consumed in 64-deep stages (one 128-byte swizzle row of
+// bf16), one producer warpgroup (a single TMA-issuing thread) and two consumer warpgroups,
+// each owning 64 rows of the tile with a 64 x kBN fp32 accumulator in registers.
+// Clusters of kClusterM CTAs work on vertically adjacent tiles that share their B tile: each
+// CTA loads 1/kClusterM of it and multicasts it to the cluster (halves the L2->SM traffic of B).
+// wgrad too runs these cooperative 128 x 256 tiles: ping-pong consumers with 128 x 128 tiles
+// measured 0.93x (docs/gemm.md, 2026-11-30; the kind is at 0b38498).
+template <int BN, int Stages, Major AMajor, Major BMajor, int ClusterM>
+struct TileConfig : CtaShape {
+  static constexpr int kBN = BN;
+  static constexpr int kBK = 64;
+  static constexpr int kStages = Stages;
+  static constexpr Major kAMajor = AMajor;
+  static constexpr Major kBMajor = BMajor;
+  static constexpr int kClusterM = ClusterM;
+  static constexpr bool kFp8 = false;  // bf16 operands, accumulated by wgmma in place
+  static constexpr int kAScaleBytes = 0;
+  static constexpr int kMmaN = BN;  // one wgmma covers the tile's columns
+  static_assert(ClusterM == 1 || ClusterM == 2, "clusters of 1 or 2 CTAs along M");
+  static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N is at most 256 and boxes are 64 wide");
+
+  static constexpr int kABytes = kBM * kBK * 2;
+  static constexpr int kBBytes = kBN * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;  // expect_tx of one stage
+
   static constexpr int kSmemBytes =
       kStages * kStageBytes + kConsumerWGs * kEpiBytesPerWG + kBarrierBytes + 1024 /*align*/;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "pipeline + epilogue staging exceed shared memory");
@@ -105,9 +110,8 @@ struct TileConfig {
 // operands are both quantized along the tokens): each stage then also carries the B tile's
 // kBN column scales, and the promotion takes sa[row] * sb[col] per value.
 template <int BN, int Stages, int ClusterM, int MmaN = BN, bool ColScales = false>
-struct Fp8TileConfig {
+struct Fp8TileConfig : CtaShape {
   static constexpr bool kColScales = ColScales;
-  static constexpr int kBM = 128;
   static constexpr int kBN = BN;
   static constexpr int kMmaN = MmaN;
   static constexpr int kBK = 128;
@@ -117,15 +121,6 @@ struct Fp8TileConfig {
   static constexpr int kClusterM = ClusterM;
   static constexpr bool kFp8 = true;
   static_assert(ClusterM == 1, "FP8 tiles run without clusters for now");
-
-  static constexpr int kConsumerWGs = 2;
-  static constexpr int kWGRows = kBM / kConsumerWGs;
-  static constexpr int kThreads = kWarpGroupThreads * (1 + kConsumerWGs);
-  static constexpr int kConsumerThreads = kWarpGroupThreads * kConsumerWGs;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-  static_assert(kProducerRegs * kWarpGroupThreads + kConsumerRegs * kConsumerThreads <= 65536,
-                "register budget of one SM exceeded");
   static_assert(kMmaN % 64 == 0 && kMmaN <= 128 && kBN % kMmaN == 0 && kBN <= 256,
                 "a 64 x kBN fragment and a 64 x kMmaN promotion fragment per thread");
 
@@ -136,13 +131,6 @@ struct Fp8TileConfig {
   static constexpr int kBScaleBytes = ColScales ? kBN * 4 : 0;
   static constexpr int kStageBytes = kABytes + kBBytes + kAScaleBytes + kBScaleBytes;  // expect_tx of one stage
 
-  static constexpr int kEpiBoxBytes = 64 * kBoxInner * 2;
-  static constexpr int kEpiBoxes = 2;
-  static constexpr int kEpiCols = kEpiBoxes * kBoxInner;
-  static constexpr int kEpiBufferBytes = kEpiBoxes * kEpiBoxBytes;
-  static constexpr int kEpiBytesPerWG = kEpiBuffers * kEpiBufferBytes;
-
-  static constexpr int kBarrierBytes = 1024;
   // The scale ring sits behind the 1024-aligned tiles; the storage rounds up to 1 KiB.
   static constexpr int kSmemBytes = kStages * (kABytes + kBBytes) +
                                     (kStages * (kAScaleBytes + kBScaleCols * 4) + 128 + 1023) / 1024 * 1024 +
