@@ -77,6 +77,12 @@ void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, 
                   const Real* u, int64_t n, Real* dgu, Real* hs, Real* dx, Real* dtopk_w,
                   int threads);
 
+// Backward steps 3, 4 and 6 of mlp_backward on n rows from the hidden gradient dhr [n, I] (step 2's,
+// whatever GEMM made it): d topk_w (when dtopk_w is not null), dgu [n, 2I], hs [n, I].
+template <class Real>
+void swiglu_backward_rows(const Real* dhr, const Real* row_w, const Real* g, const Real* u, int64_t n, int64_t I,
+                          Real* dgu, Real* hs, Real* dtopk_w);
+
 // Weight gradients over the n rows in the given (canonical) order, from mlp_backward's dgu
 // and hs: dgate/dup [I, H] = sum_r dg_r/du_r (x) x_r, ddown [H, I] = sum_r dy_r (x) hs_r
 // (dy unscaled: the router weight is in hs).

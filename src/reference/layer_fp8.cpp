@@ -53,20 +53,8 @@ void mlp_backward_fp8(const MlpWeights<float>& w, const float* dy, const float* 
   std::vector<float> dhr(static_cast<size_t>(n * I));
   gemm_fp8(quantize_rows_1x128(dy, n, H, "dy"), quantize_blocks_128x128(down_t.data(), I, H, "w_down^T"),
            dhr.data(), false);
-  // Steps 3, 4, 6 as the bf16 layer (layer_mlp.cpp).
-  for (int64_t r = 0; r < n; ++r) {
-    const float weight = row_w != nullptr ? row_w[r] : 1.0f;
-    float dw = 0.0f;
-    for (int64_t i = 0; i < I; ++i) {
-      const int64_t e = r * I + i;
-      const float h = swiglu(g[e], u[e]);
-      dw = std::fma(dhr[e], h, dw);
-      const float dh = row_w != nullptr ? weight * dhr[e] : dhr[e];
-      swiglu_backward(dh, g[e], u[e], dgu[r * 2 * I + i], dgu[r * 2 * I + I + i]);
-      hs[e] = row_w != nullptr ? act(weight * h) : h;
-    }
-    if (dtopk_w != nullptr) dtopk_w[r] = dw;
-  }
+  // Steps 3, 4, 6 as the bf16 layer.
+  swiglu_backward_rows(dhr.data(), row_w, g, u, n, I, dgu, hs, dtopk_w);
   // Step 5: dx = bf16([dg | du] . [W_gate ; W_up]): dg and du quantized each on its own (1x128
   // along I), the transposed weights 128x128; one accumulator, the gate half's blocks first.
   const Fp8Tensor dgq = quantize_rows_1x128(dgu, n, I, "dg", 2 * I);

@@ -44,19 +44,8 @@ void mlp_forward(const MlpWeights<Real>& w, const Real* x, int64_t n, Real* g, R
 }
 
 template <class Real>
-void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, const Real* g,
-                  const Real* u, int64_t n, Real* dgu, Real* hs, Real* dx, Real* dtopk_w,
-                  int threads) {
-  const int64_t H = w.hidden, I = w.inter;
-  if (n == 0) return;
-  if constexpr (std::is_same_v<Real, float>) {
-    if (w.fp8 != nullptr) return mlp_backward_fp8(w, dy, row_w, g, u, n, dgu, hs, dx, dtopk_w);
-  }
-  // Step 2: dhr[i] = dot(W_down[:, i], dy), j ascending: rows of W_down^T [I, H]. dy is
-  // unscaled, so dhr is the gradient of the expert output o before the router weight.
-  const std::vector<Real> down_t = transpose(w.down, H, I, I);
-  std::vector<Real> dhr(static_cast<size_t>(n * I));
-  gemm_nt<Real>({dy, H, false}, down_t.data(), H, dhr.data(), I, n, I, H, threads);
+void swiglu_backward_rows(const Real* dhr, const Real* row_w, const Real* g, const Real* u, int64_t n, int64_t I,
+                          Real* dgu, Real* hs, Real* dtopk_w) {
   for (int64_t r = 0; r < n; ++r) {
     const Real weight = row_w != nullptr ? row_w[r] : Real(1);
     Real dw = Real(0);
@@ -74,6 +63,23 @@ void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, 
     }
     if (dtopk_w != nullptr) dtopk_w[r] = dw;
   }
+}
+
+template <class Real>
+void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, const Real* g,
+                  const Real* u, int64_t n, Real* dgu, Real* hs, Real* dx, Real* dtopk_w,
+                  int threads) {
+  const int64_t H = w.hidden, I = w.inter;
+  if (n == 0) return;
+  if constexpr (std::is_same_v<Real, float>) {
+    if (w.fp8 != nullptr) return mlp_backward_fp8(w, dy, row_w, g, u, n, dgu, hs, dx, dtopk_w);
+  }
+  // Step 2: dhr[i] = dot(W_down[:, i], dy), j ascending: rows of W_down^T [I, H]. dy is
+  // unscaled, so dhr is the gradient of the expert output o before the router weight.
+  const std::vector<Real> down_t = transpose(w.down, H, I, I);
+  std::vector<Real> dhr(static_cast<size_t>(n * I));
+  gemm_nt<Real>({dy, H, false}, down_t.data(), H, dhr.data(), I, n, I, H, threads);
+  swiglu_backward_rows(dhr.data(), row_w, g, u, n, I, dgu, hs, dtopk_w);
   // Step 5: dx[j] = bf16(one sum over [dg | du] against [W_gate[:, j] ; W_up[:, j]]).
   std::vector<Real> gate_up_t(static_cast<size_t>(H * 2 * I));
   for (int64_t i = 0; i < I; ++i) {
@@ -115,6 +121,8 @@ void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dy, const R
   template void mlp_backward<Real>(const MlpWeights<Real>&, const Real*, const Real*,          \
                                    const Real*, const Real*, int64_t, Real*, Real*, Real*,     \
                                    Real*, int);                                                \
+  template void swiglu_backward_rows<Real>(const Real*, const Real*, const Real*, const Real*, int64_t, int64_t, \
+                                           Real*, Real*, Real*);                                       \
   template void mlp_wgrad<Real>(const MlpWeights<Real>&, const Real*, const Real*, const Real*, \
                                 const Real*, int64_t, Real*, Real*, Real*, int);
 MOK_REF_INSTANTIATE(float)
