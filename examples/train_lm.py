@@ -16,6 +16,9 @@ are all-reduced (averaged). Every run with the same seed gives the same bits (do
 --check trains run A (saving a checkpoint half-way), run B from the same seed (bitwise equal losses?), resumes
 A's checkpoint to the end (bitwise equal to A's second half?), trains the torch engine (final validation loss
 within 2 % of A's?), writes the plot and the JSON, and exits 1 if a check fails.
+
+--precision fp8 runs mok's layers with block-scaled FP8 expert GEMMs (mok.torch.MoE(precision="fp8"), docs/fp8.md;
+CUDA only); the torch engine, --check's yardstick included, stays bf16. The JSON records the precision.
 """
 
 from __future__ import annotations
@@ -231,14 +234,15 @@ class Block(nn.Module):
     """Pre-norm: h + attn(norm(h)), then h + MoE(norm(h)) with a softmax top-k router. The router and the
     experts run outside autocast: fp32 router scores, bf16 experts (mok's contract)."""
 
-    def __init__(self, c: ModelConfig, engine: str, torch_impl: str):
+    def __init__(self, c: ModelConfig, engine: str, torch_impl: str, precision: str = "bf16"):
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(c.d_model), nn.RMSNorm(c.d_model)
         self.attn = Attention(c.d_model, c.heads)
         self.router = mok.torch.TopKRouter(c.d_model, c.experts, c.topk, aux_loss_coeff=c.aux_coeff)
         if engine == "mok":
             config = mok.Config(max_tokens=c.seq * c.batch, capacity=c.capacity)
-            self.moe = mok.torch.MoE(c.d_model, c.intermediate, c.experts, c.topk, c.shared, config=config)
+            self.moe = mok.torch.MoE(c.d_model, c.intermediate, c.experts, c.topk, c.shared, config=config,
+                                     precision=precision)
         else:
             self.moe = PlainMoE(c.d_model, c.intermediate, c.experts, c.topk, c.shared, impl=torch_impl)
 
@@ -252,13 +256,14 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, c: ModelConfig, engine: str, torch_impl: str = "auto"):
+    def __init__(self, c: ModelConfig, engine: str, torch_impl: str = "auto", precision: str = "bf16"):
+        """precision: mok's expert GEMMs (engine "mok"): "bf16" or "fp8"; the torch engine computes in bf16."""
         super().__init__()
         if c.d_model % c.heads or (c.d_model // c.heads) % 2:
             raise SystemExit(f"train_lm: d_model {c.d_model} must split into {c.heads} heads of an even size")
         self.config = c
         self.embed = nn.Embedding(c.vocab, c.d_model)
-        self.blocks = nn.ModuleList(Block(c, engine, torch_impl) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(Block(c, engine, torch_impl, precision) for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         cos, sin = rope_tables(c.seq, c.d_model // c.heads, "cpu")
@@ -505,6 +510,7 @@ class Run:
     label: str
     engine: str
     tokens_per_step: int = 0
+    precision: str = "bf16"  # of the expert GEMMs (mok.PRECISIONS)
     history: dict = field(default_factory=lambda: {"step": [], "loss": [], "step_ms": [], "val_step": [],
                                                    "val_loss": []})
 
@@ -523,19 +529,25 @@ def model_config(args, d: Dist) -> ModelConfig:
                        float(args.capacity if args.capacity is not None else d.world))
 
 
+def run_precision(args, engine: str) -> str:
+    """The precision of ``engine``'s expert GEMMs as mok names it: --precision for mok, bf16 for the torch engine."""
+    return mok.Config(precision=args.precision).precision if engine == "mok" else "bf16"
+
+
 def train(args, d: Dist, corpus: Corpus, engine: str, label: str, *, resume: Path | None = None,
           save_at: set | None = None, ckpt_dir: Path | None = None) -> Run:
     """Trains a fresh model (seed ``args.seed``) to ``args.steps`` steps, or continues ``resume``."""
     attn = ATTN_BACKENDS[args.attn]
     torch.manual_seed(args.seed)
     cfg = model_config(args, d)
-    model = MoELM(cfg, engine, args.torch_impl)
+    precision = run_precision(args, engine)
+    model = MoELM(cfg, engine, args.torch_impl, precision)
     init_weights(model, args.seed, d.rank)
     model.to(d.device)
     trainer = Trainer(model, args, d)
     batches = Batches(corpus.train, args.seq, args.batch * d.world, args.seed)
     windows = val_windows(corpus.val, args.seq, args.val_batches * args.batch * d.world)
-    run = Run(label, engine, args.batch * args.seq * d.world)
+    run = Run(label, engine, args.batch * args.seq * d.world, precision)
     start = 0
     if resume is not None:
         start, run.history = load_checkpoint(resume, model, trainer, batches, d)
@@ -664,17 +676,18 @@ def write_outputs(args, d: Dist, corpus: Corpus, runs: list[Run], metrics: dict,
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name(0) if d.device.type == "cuda" else "cpu"
-    title = f"train_lm: {cfg.describe()}, EP {d.world}, attn {args.attn}, {gpu}, {commit_id()}"
+    title = (f"train_lm: {cfg.describe()}, EP {d.world}, attn {args.attn}, mok {run_precision(args, 'mok')}, {gpu}, "
+             f"{commit_id()}")
     if not args.no_plot:
         plot([r for r in runs if r.label in ("mok", "torch")] or runs, unigram, Path(args.plot or out / "train_lm.png"),
              title, window=max(1, min(args.log_every, args.steps // 10 or 1)))
     entry = {"bench": "train_lm", "shape": cfg.describe(), "ep": d.world, "tokens_per_rank": args.batch * args.seq,
-             "attn": args.attn, "seed": args.seed,
+             "attn": args.attn, "seed": args.seed, "precision": run_precision(args, "mok"),
              "corpus": {"files": corpus.files, "train_bytes": corpus.train.numel(), "val_bytes": corpus.val.numel(),
                         "sha256": corpus.sha256[:16]},
              "metrics": metrics}
     run_json = {**envelope([entry], command_line()), "args": vars(args), "checks": checks, "errors": errors or {},
-                "runs": {r.label: {"engine": r.engine, **r.history} for r in runs}}
+                "runs": {r.label: {"engine": r.engine, "precision": r.precision, **r.history} for r in runs}}
     (out / "train_lm.json").write_text(json.dumps(run_json, indent=1) + "\n")
     print(f"json: {out / 'train_lm.json'}")
     if args.results_dir:
@@ -735,7 +748,8 @@ def check(args, d: Dist, corpus: Corpus, metrics: dict) -> int:
     if d.main:
         first_diff = next((s for s, x, y in zip(ha["step"], ha["loss"], hb["loss"]) if x != y), None)
         print("\n==== train_lm --check ====")
-        print(f"model        {model_config(args, d).describe()}, EP {d.world}, attn {args.attn}")
+        print(f"model        {model_config(args, d).describe()}, EP {d.world}, attn {args.attn}, "
+              f"mok precision {a.precision}")
         print(f"corpus       {corpus.files} files, {corpus.train.numel():,} train / {corpus.val.numel():,} val bytes, "
               f"unigram entropy {metrics['unigram_entropy']:.4f} nats")
         tv = f"{t.final_val:.4f}" if t else f"failed ({torch_error.splitlines()[0][:200]})"
@@ -768,6 +782,9 @@ def parse_args(argv=None):
                    help="SDPA backend; math (default) is deterministic in forward and backward (docs/training.md)")
     g.add_argument("--torch-impl", choices=IMPLS, default="auto",
                    help="the torch engine's experts: torch._grouped_mm, a per-expert loop, or auto")
+    g.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="mok's expert GEMMs: bf16, or fp8 (block-scaled, docs/fp8.md; CUDA only); the torch engine "
+                        "stays bf16")
     m = p.add_argument_group("model and data (defaults from the preset)")
     sizes = (("layers", int, "transformer blocks"), ("d-model", int, "hidden size H (mok: a multiple of 64)"),
              ("heads", int, "attention heads"), ("experts", int, "routed experts E (a multiple of the world size)"),
@@ -809,6 +826,13 @@ def parse_args(argv=None):
         p.error("--check makes its own checkpoint; leave out --resume")
     if args.check and args.val_every <= 0:
         p.error("--check compares validation losses: --val-every must be positive")
+    if args.precision != "bf16":
+        if args.engine != "mok" and not args.check:
+            p.error(f"--precision {args.precision} sets mok's layers: use it with --engine mok (the torch engine "
+                    "computes in bf16)")
+        if args.device != "cuda":
+            p.error(f"--precision {args.precision} runs mok's FP8 kernels: it needs --device cuda (the CPU path "
+                    "computes in bf16)")
     return args
 
 
@@ -826,7 +850,8 @@ def main(argv=None) -> int:
     corpus = load_corpus(args.corpus)
     metrics = {"steps": args.steps, "unigram_entropy": corpus.unigram_entropy()}
     if d.main:
-        print(f"train_lm: {model_config(args, d).describe()}, EP {d.world}, device {d.device}, attn {args.attn}; "
+        print(f"train_lm: {model_config(args, d).describe()}, EP {d.world}, device {d.device}, attn {args.attn}, "
+              f"mok precision {run_precision(args, 'mok')}; "
               f"corpus {corpus.root}: {corpus.files} files, {corpus.train.numel():,} train / "
               f"{corpus.val.numel():,} val bytes, unigram entropy {metrics['unigram_entropy']:.4f} nats", flush=True)
     try:

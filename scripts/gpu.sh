@@ -177,6 +177,9 @@ step_sanitizers() {
   sub racecheck-gemm-fp8 120 "${san[@]}" --tool racecheck "$BIN/test_gemm_fp8" --gtest_filter='*Sanitizer*'
   sub memcheck-fp8-quantize 90 "${san[@]}" --tool memcheck "$BIN/test_fp8_quantize" \
     --gtest_filter='*RowsMatch*:*BlocksMatch*:*ColsTransposed*'
+  # The FP8 layer: one case, EP 1 (and EP 2 simulated below).
+  sub memcheck-fp8-layer 300 "${san[@]}" --tool memcheck "$BIN/test_fp8_layer" \
+    --gtest_filter='Shapes/Fp8LayerVsReference.*top8_E16_shared_ep1_fp32acc'
   sub memcheck-forward 150 "${san[@]}" --tool memcheck "$BIN/test_forward" --gtest_filter="$fwd"
   sub racecheck-forward 300 "${san[@]}" --tool racecheck "$BIN/test_forward" --gtest_filter="$fwd"
   sub racecheck-comm 60 "${san[@]}" --tool racecheck "$BIN/test_comm" --gtest_filter='Ep1/*Uniform*'
@@ -189,6 +192,8 @@ step_sanitizers() {
     sub memcheck-backward-ep2 300 "${san[@]}" --tool memcheck "$BIN/test_backward" \
       --gtest_filter='Shapes/BackwardVsReference.*top8_E16_shared_ep2_fp32acc*'
     sub memcheck-forward-ep2 150 "${san[@]}" --tool memcheck "$BIN/test_forward" --gtest_filter="${fwd//ep1/ep2}"
+    sub memcheck-fp8-layer-ep2 300 "${san[@]}" --tool memcheck "$BIN/test_fp8_layer" \
+      --gtest_filter='Shapes/Fp8LayerVsReference.*T200_top2_shared_ep2_bf16'
   fi
 }
 

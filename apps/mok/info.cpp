@@ -28,6 +28,9 @@ int run_info() {
   std::printf("engines (Config defaults): forward %s; backward %s = %s with fp32 main grads, %s with bf16 gradients\n",
               to_string(defaults.forward_engine), to_string(defaults.backward_engine),
               to_string(defaults.effective_backward_engine(true)), to_string(defaults.effective_backward_engine(false)));
+  std::printf("precision (Config default): %s; fp8_block runs the expert GEMMs in block-scaled FP8 (weight gradients "
+              "in %s by default; docs/fp8.md)\n",
+              to_string(defaults.precision), defaults.fp8_weight_grads ? "FP8" : "bf16");
   int version = 0;
   ncclGetVersion(&version);
   std::printf("NCCL: headers %d, loaded library %d%s\n", NCCL_VERSION_CODE, version,
@@ -55,8 +58,10 @@ int run_info() {
 // (bench/bench_timing.hpp, as bench_forward times: at its power cap an H200 runs these kernels at
 // a lower clock than in the first launches after an idle phase; without the steady phase gptoss
 // read 10 % and qwen3 5-7 % fast, docs/perf-log.md 2026-12-03), every iteration started on all
-// ranks together. Also prints the memory of the workspace and of one layer's context. The full
-// side-by-side benchmarks are build/bin/bench_forward and bench_backward.
+// ranks together. Also prints the memory of the workspace and of one layer's context. --precision fp8
+// runs Config::precision kFp8Block with the weights quantized once into an Fp8WeightCache before the
+// timed runs (as training does once per optimizer step; that update is not timed) and also prints the
+// cache's memory. The full side-by-side benchmarks are build/bin/bench_forward and bench_backward.
 int run_bench(const Options& opts) {
   const std::string name = opts.str("shape");
   if (name != "dsv3" && name != "qwen3" && name != "gptoss") throw_invalid("--shape", "dsv3, qwen3 or gptoss", name);
@@ -76,14 +81,22 @@ int run_bench(const Options& opts) {
   if (be != "auto" && be != "fused" && be != "staged") throw_invalid("--backward-engine", "auto, fused or staged", be);
   config.forward_engine = fe == "staged" ? ForwardEngine::kStaged : ForwardEngine::kFused;
   config.backward_engine = be == "auto" ? BackwardEngine::kAuto : be == "fused" ? BackwardEngine::kFused : BackwardEngine::kStaged;
+  const std::string precision = opts.str("precision");
+  if (precision != "bf16" && precision != "fp8" && precision != "fp8_block") {
+    throw_invalid("--precision", "bf16 or fp8 (also written fp8_block)", precision);
+  }
+  config.precision = precision == "bf16" ? Precision::kBf16 : Precision::kFp8Block;
+  const bool fp8 = config.precision == Precision::kFp8Block;
   const int gpus = bootstrap::local_device_count();
   if (gpus < 1) throw Error(Status::kCudaError, "mok bench: no CUDA GPU visible (the layer runs on the GPU)");
   const LayerShape shape = bench::bench_shape(name, gpus, tokens);
-  config.validate(shape);  // a bad --macrobatch names Config.macrobatch and the rows it takes
+  config.validate(shape);  // a bad --macrobatch (or a ring with fp8) names Config.macrobatch and the rows it takes
   const auto routing = bench::uniform_routing(shape, 2026);
   const char* fwd_path = to_string(config.forward_engine);
   const char* bwd_path = to_string(config.effective_backward_engine(true));  // the timed backward adds into fp32
   const int64_t resident = config.resident_routed_rows(shape), all = config.buffer_rows_per_rank(shape);
+  // kFp8Block runs the staged launches whatever the engines say (config.hpp)
+  if (fp8) fwd_path = bwd_path = "staged FP8";
   std::printf("mok bench: %s, EP=%d (every local GPU), pass %s (%s forward, %s backward; Config%s; "
               "median of %d after %.0f ms of steady state)\n",
               shape.to_string().c_str(), gpus, pass.c_str(), fwd_path, bwd_path,
@@ -112,9 +125,16 @@ int run_bench(const Options& opts) {
     }
     const WeightGrads grads{GradMode::kAccumulateFp32, gg.get(), gu.get(), gd.get(), sg.get(), su.get(), sd.get()};
     const BackwardArgs bargs{layer.x.get(), layer.topk_w.get(), dy.get(), dx.get(), dtopk.get()};
+    ExpertWeights weights = layer.weights();
+    std::unique_ptr<Fp8WeightCache> fp8_cache;
+    if (fp8) {  // quantized once, before the timed runs: the weights do not change here
+      fp8_cache = Fp8WeightCache::create(*ws, stream);
+      fp8_cache->update(weights, stream);
+      weights.fp8 = fp8_cache.get();
+    }
     auto fwd = [&] {
       schedule(*ws, layer.topk_idx.get(), stream);
-      forward(*ws, layer.args(), layer.weights(), stream);
+      forward(*ws, layer.args(), weights, stream);
     };
     double t = 0;
     if (pass == "forward") {
@@ -122,7 +142,7 @@ int run_bench(const Options& opts) {
     } else if (pass == "step") {
       t = bench::time_ms(timing, sync, stream, [&] {
         fwd();
-        backward(*ws, bargs, layer.weights(), grads, stream);
+        backward(*ws, bargs, weights, grads, stream);
       });
     } else {
       // backward alone: each timed run consumes a context, so each gets a fresh forward outside
@@ -136,7 +156,7 @@ int run_bench(const Options& opts) {
         MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
         sync.arrive_and_wait();
         MOK_CUDA_CHECK(cudaEventRecord(a, stream));
-        backward(*ws, bargs, layer.weights(), grads, stream);
+        backward(*ws, bargs, weights, grads, stream);
         MOK_CUDA_CHECK(cudaEventRecord(b, stream));
         MOK_CUDA_CHECK(cudaEventSynchronize(b));
         float x = 0;
@@ -151,14 +171,18 @@ int run_bench(const Options& opts) {
     ms[r.rank] = t;
     MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     sync.arrive_and_wait();  // no rank frees its window while a peer may still read it
+    fp8_cache.reset();       // freed on the stream, before it goes
+    MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
     MOK_CUDA_CHECK(cudaStreamDestroy(stream));
   });
   const double flops = shape.forward_flops() * (pass == "forward" ? 1.0 : pass == "backward" ? 2.0 : 3.0);
   for (int r = 0; r < gpus; ++r) {
     std::printf("  rank %d: %s %.3f ms, %.1f useful TFLOP/s\n", r, pass.c_str(), ms[r], flops / ms[r] / 1e9);
   }
-  std::printf("  memory per rank: workspace %.1f MB (its own context included), each further layer's context %.1f MB\n",
+  std::printf("  memory per rank: workspace %.1f MB (its own context included), each further layer's context %.1f MB",
               ws_bytes[0] / 1e6, Context::bytes(shape, config) / 1e6);
+  if (fp8) std::printf(", each layer's FP8 weight copies %.1f MB", Fp8WeightCache::bytes(shape) / 1e6);
+  std::printf("\n");
   return 0;
 }
 

@@ -40,6 +40,9 @@ commands:
             --forward-engine E   Config::forward_engine: fused | staged (default fused)
             --backward-engine E  Config::backward_engine: auto | fused | staged (default auto:
                                  the faster one for the gradient mode, fp32 main grads here)
+            --precision P   Config::precision: bf16 | fp8 (default bf16; fp8 = fp8_block, the
+                            block-scaled FP8 GEMMs: staged launches, weights quantized once
+                            into an Fp8WeightCache before the timed runs)
   soak    training steps with fresh random routing every step (uniform, Zipf-skewed, all
           tokens to one expert, empty experts) on every local GPU: the fused and the staged
           forward, each with the GPU backward, compared bit for bit every step
@@ -49,7 +52,8 @@ commands:
                             I_shared 512, E 32, top-4)
             --seed N        seed of the routing and data (default 1)
             --out FILE      also write the counts as a bench/results record (JSON)
-  info    what this build contains: engine, the engines Config's defaults run, GPUs, NCCL
+  info    what this build contains: engine, the engines and the precision Config's defaults
+          run, GPUs, NCCL
   help    this text (also --help, -h)
   version print the version
 
@@ -82,7 +86,8 @@ int main(int argc, char** argv) {
     }
     if (cmd == "bench") {
       return mok::cli::run_bench(mok::cli::Options(rest, {{"shape", "dsv3"}, {"pass", "forward"}, {"tokens", "0"}, {"iters", "10"}, {"warm-ms", "300"}, {"macrobatch", "0"},
-                                                               {"forward-engine", "fused"}, {"backward-engine", "auto"}}));
+                                                               {"forward-engine", "fused"}, {"backward-engine", "auto"},
+                                                               {"precision", "bf16"}}));
     }
     if (cmd == "soak") {
       return mok::cli::run_soak(

@@ -30,6 +30,8 @@ namespace mok {
 
 using bf16 = __nv_bfloat16;
 
+class Fp8WeightCache;
+
 // Weights of one rank, bf16, row-major. Routed: this rank's E_local experts.
 struct ExpertWeights {
   const bf16* gate = nullptr;         // [E_local, I, H]
@@ -42,6 +44,10 @@ struct ExpertWeights {
   // down). Rows inside an expert stay dense. Hugging Face's fused gate_up_proj [E, 2I, H] without a
   // copy: gate = p, up = p + I*H, gate_expert_stride = up_expert_stride = 2*I*H.
   int64_t gate_expert_stride = 0, up_expert_stride = 0, down_expert_stride = 0;
+  // Config::precision kFp8Block: the FP8 copies of these weights (Fp8WeightCache::update after each
+  // change of the weights); nullptr: the pass quantizes the weights itself, on every call (the same
+  // bits, more time). Ignored in bf16.
+  const Fp8WeightCache* fp8 = nullptr;
 };
 
 // How weight gradients are delivered: written as bf16, or added into fp32 main-grad buffers.
@@ -176,6 +182,44 @@ class Context {
 inline size_t context_bytes(const LayerShape& shape, const Config& config, Context::Keep keep = Context::Keep::kActivations) {
   return Context::bytes(shape, config, keep);
 }
+
+// The FP8 copies of one layer's weights (Config::precision kFp8Block, docs/fp8.md "Weights"): every
+// matrix of ExpertWeights in 128x128-block e4m3 with its fp32 scales, and the transposed copies the
+// backward's dgrad GEMMs read (the same codes and scales, transposed). FP8 training quantizes the
+// weights once per weight update, not once per call: update() after each optimizer step (the Python
+// layer does it when a parameter's version counter moves), and pass the cache in ExpertWeights::fp8.
+// It belongs to the workspace that created it (its shape, its device); a non-finite weight is
+// reported by that workspace's check(), naming the matrix, and poisons the outputs of the passes
+// that read the cache until the next update() with finite weights.
+class Fp8WeightCache {
+ public:
+  // Device bytes: for each of gate, up, down (and the shared three) the codes twice (as is and
+  // transposed, 2 bytes per weight element) and the scales twice (4 bytes per 128x128 block each):
+  // about as many bytes as the bf16 weights.
+  static size_t bytes(const LayerShape& shape);
+  // mok allocates the memory on `stream` (stream-ordered) and frees it on destruction (as Context).
+  static std::unique_ptr<Fp8WeightCache> create(Workspace& ws, cudaStream_t stream);
+  // The caller's memory: >= bytes(shape), 256-byte aligned, on the workspace's device.
+  static std::unique_ptr<Fp8WeightCache> create(Workspace& ws, void* memory, size_t bytes);
+  ~Fp8WeightCache();
+  Fp8WeightCache(const Fp8WeightCache&) = delete;
+  Fp8WeightCache& operator=(const Fp8WeightCache&) = delete;
+
+  // Quantizes `weights` (both orientations) on `stream`: stream-ordered, no host synchronisation.
+  // weights.fp8 is ignored. Passes enqueued after it read the new copies.
+  void update(const ExpertWeights& weights, cudaStream_t stream);
+  // update() has run at least once.
+  bool ready() const;
+  size_t bytes() const;
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+  const Impl& impl() const { return *impl_; }
+  explicit Fp8WeightCache(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
 
 // Routing table for the next forward/backward: exchanged and derived on the GPU (docs/comm.md).
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream);

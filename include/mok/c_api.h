@@ -34,7 +34,12 @@ typedef struct {
   double wait_timeout_s;
   int32_t forward_engine;  /* mok::ForwardEngine: 0 fused (default), 1 staged */
   int32_t backward_engine; /* mok::BackwardEngine: 0 auto (default), 1 fused, 2 staged */
+  int32_t precision;        /* mok::Precision: 0 bf16 (default), 1 fp8_block */
+  int32_t fp8_weight_grads; /* with precision 1: 1 (default) weight-gradient GEMMs in FP8, 0 in bf16 */
 } mok_config_t;
+
+/* One layer's FP8 weight copies (mok::Fp8WeightCache), for precision 1. */
+typedef struct mok_fp8_weights* mok_fp8_weights_t;
 
 typedef struct {
   const void *gate, *up, *down, *shared_gate, *shared_up, *shared_down; /* bf16 device pointers */
@@ -42,6 +47,9 @@ typedef struct {
    * Rows inside an expert are dense. Hugging Face's fused gate_up_proj [E, 2I, H]: gate = p,
    * up = p + I*H, both with stride 2*I*H. */
   int64_t gate_expert_stride, up_expert_stride, down_expert_stride;
+  /* Precision 1: the FP8 copies of these weights, current (mok_fp8_weights_update after each change of
+   * the weights); NULL: the pass quantizes the weights itself, on every call. Ignored in bf16. */
+  mok_fp8_weights_t fp8;
 } mok_expert_weights_t;
 
 typedef struct {
@@ -82,6 +90,18 @@ mok_status_t mok_context_create(mok_workspace_t ws, mok_stream_t stream, int32_t
 mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, int32_t keep,
                                    mok_context_t* out);
 mok_status_t mok_context_destroy(mok_context_t ctx);
+
+/* FP8 weight copies (mok::Fp8WeightCache; docs/fp8.md): quantize the weights once per weight update,
+ * not once per pass. Bytes of the copies of one layer of this shape (about those of its bf16 weights). */
+mok_status_t mok_fp8_weights_bytes(const mok_layer_shape_t* shape, uint64_t* bytes);
+/* The caller's device memory: >= mok_fp8_weights_bytes, 256-byte aligned, on the workspace's device; it must
+ * outlive the handle. The copies belong to ws (its shape and device) and are empty until the first update. */
+mok_status_t mok_fp8_weights_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, mok_fp8_weights_t* out);
+/* Quantizes `weights` (weights->fp8 is ignored) into the copies on `stream`: stream-ordered, no host
+ * synchronisation (it may be captured into a CUDA graph); passes enqueued after it read the new copies. A
+ * non-finite weight is reported by the workspace's mok_workspace_check. */
+mok_status_t mok_fp8_weights_update(mok_fp8_weights_t fp8, const mok_expert_weights_t* weights, mok_stream_t stream);
+mok_status_t mok_fp8_weights_destroy(mok_fp8_weights_t fp8);
 
 /* Routing table of the next forward: topk_idx [tokens, K] int32 on the device. tokens: this call's
  * T, 1 <= tokens <= the workspace's shape.tokens, the same on every rank (the forward, its

@@ -21,8 +21,19 @@ enum class BackwardEngine : int32_t {
   kFused = 1,
   kStaged = 2,
 };
+// The arithmetic of the expert GEMMs (docs/fp8.md). kFp8Block: DeepSeek-V3's block-scaled FP8 on
+// Hopper: e4m3 operands (activations and gradients in 1x128 blocks along the reduction, weights
+// in 128x128 blocks), power-of-two fp32 block scales, fp32 accumulation promoted every 128 of K.
+// Inputs, outputs, router weights and gradients keep their dtypes; only the GEMMs' operands are
+// quantized. Unlike the knobs below, the precision changes results (the FP8 layer's bits are the
+// FP8 reference's, ref::forward_fp8); D1-D3 hold within each precision.
+enum class Precision : int32_t {
+  kBf16 = 0,      // default
+  kFp8Block = 1,
+};
 const char* to_string(ForwardEngine engine);
 const char* to_string(BackwardEngine engine);
+const char* to_string(Precision precision);
 // The engine BackwardEngine::kAuto runs: fp32_main_grads is WeightGrads::mode == kAccumulateFp32. The
 // rule and the run it comes from are in docs/megakernel.md ("Choosing the backward engine").
 BackwardEngine auto_backward_engine(bool fp32_main_grads);
@@ -63,6 +74,13 @@ struct Config {
   // The engines (above). Speed only: the same bits (D2).
   ForwardEngine forward_engine = ForwardEngine::kFused;
   BackwardEngine backward_engine = BackwardEngine::kAuto;
+  // The precision (above) and, with kFp8Block, whether the weight-gradient GEMMs run in FP8 too
+  // (true, the default) or in bf16 over the same dg, du, hs (ref::Fp8Recipe::fp8_wgrad).
+  // Today kFp8Block runs the staged engines' launches with the FP8 GEMM kinds whatever
+  // forward_engine / backward_engine say (the fused FP8 passes are to come), so it needs every
+  // routed row resident (no macrobatch ring).
+  Precision precision = Precision::kBf16;
+  bool fp8_weight_grads = true;
 
   // Throws mok::Error(kInvalidArgument) naming the first bad knob.
   void validate(const LayerShape& shape) const;

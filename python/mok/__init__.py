@@ -11,7 +11,17 @@ types, their validation, engine information and the error classes. The PyTorch l
 from __future__ import annotations
 
 from ._info import EngineInfo, engine_info, library_path, nccl_versions
-from .config import KEEP_ACTIVATIONS, KEEP_DEFERRED_WGRAD, KEEP_ROUTING_ONLY, Config, LayerShape, context_bytes, validate
+from .config import (
+    KEEP_ACTIVATIONS,
+    KEEP_DEFERRED_WGRAD,
+    KEEP_ROUTING_ONLY,
+    PRECISIONS,
+    Config,
+    LayerShape,
+    context_bytes,
+    fp8_weights_bytes,
+    validate,
+)
 from .errors import (
     MokCapacityOverflow,
     MokCudaError,
@@ -33,6 +43,8 @@ __all__ = [
     "KEEP_ACTIVATIONS",
     "KEEP_ROUTING_ONLY",
     "KEEP_DEFERRED_WGRAD",
+    "PRECISIONS",
+    "fp8_weights_bytes",
     "EngineInfo",
     "engine_info",
     "library_path",

@@ -109,14 +109,15 @@ class ConfigC(ctypes.Structure):
     _fields_ = [("comm_sms_forward", ctypes.c_int32), ("comm_sms_backward", ctypes.c_int32),
                 ("minibatch", ctypes.c_int64), ("macrobatch", ctypes.c_int64), ("capacity", ctypes.c_double),
                 ("grid_sms", ctypes.c_int32), ("wait_timeout_s", ctypes.c_double),
-                ("forward_engine", ctypes.c_int32), ("backward_engine", ctypes.c_int32)]
+                ("forward_engine", ctypes.c_int32), ("backward_engine", ctypes.c_int32),
+                ("precision", ctypes.c_int32), ("fp8_weight_grads", ctypes.c_int32)]
 
 
 class ExpertWeightsC(ctypes.Structure):
     _fields_ = [("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
                 ("shared_gate", ctypes.c_void_p), ("shared_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
                 ("gate_expert_stride", ctypes.c_int64), ("up_expert_stride", ctypes.c_int64),
-                ("down_expert_stride", ctypes.c_int64)]
+                ("down_expert_stride", ctypes.c_int64), ("fp8", ctypes.c_void_p)]
 
 
 class WeightGradsC(ctypes.Structure):
@@ -150,6 +151,10 @@ _SIGNATURES = {
     "mok_context_create": [_P, _P, _I32, ctypes.POINTER(_P)],
     "mok_context_create_in": [_P, _P, ctypes.c_uint64, _I32, ctypes.POINTER(_P)],
     "mok_context_destroy": [_P],
+    "mok_fp8_weights_bytes": [ctypes.POINTER(LayerShapeC), _PU64],
+    "mok_fp8_weights_create_in": [_P, _P, ctypes.c_uint64, ctypes.POINTER(_P)],
+    "mok_fp8_weights_update": [_P, ctypes.POINTER(ExpertWeightsC), _P],
+    "mok_fp8_weights_destroy": [_P],
     "mok_schedule": [_P, _P, _I64, _P],
     "mok_forward": [_P, _P, _P, _P, _P, ctypes.POINTER(ExpertWeightsC), _I32, _P],
     "mok_backward": [_P, _P, _P, _P, _P, _P, _P, ctypes.POINTER(ExpertWeightsC), ctypes.POINTER(WeightGradsC), _I32, _P],

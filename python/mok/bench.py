@@ -19,6 +19,12 @@ e4m3 rowwise-scaled expert GEMMs through torch._scaled_grouped_mm, as torchao tr
 relative norms against the bf16 torch engine, and a dense FP8 torch._scaled_mm of the same n timed in the same
 run (1x128 / 128x128 block scales where this torch and GPU take them, else rowwise). docs/training.md
 describes the design.
+
+``--engines mok,mok_fp8,torch,torch_fp8`` adds mok in FP8 (``Config(precision="fp8")``, docs/fp8.md): its times,
+its speed-up over mok in bf16 (``mok_fp8_vs_mok_*``) and over the plain FP8 layer (``mok_fp8_vs_torch_fp8_*``),
+its relative norms against mok in bf16, and an ``fp8_record`` with the issue's fields (precision, shape, ep,
+fwd/bwd/step ms, the same run's bf16 and plain FP8 times, the dense TFLOP/s). Its weights are re-quantized in
+every timed forward (as training does once per step after the optimizer), not served from the cache.
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ from pathlib import Path
 __all__ = ["Shape", "SHAPES", "main", "commit_id", "envelope", "write_record", "render_table"]
 
 PASSES = ("fwd", "bwd", "step")
-ENGINES = ("mok", "torch", "torch_fp8")
-DEFAULT_ENGINES = ("mok", "torch")  # torch_fp8 only on request: the records keep their meaning
+ENGINES = ("mok", "torch", "torch_fp8", "mok_fp8")
+DEFAULT_ENGINES = ("mok", "torch")  # the FP8 engines only on request: the records keep their meaning
 PASS_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "step": 3}
 
 
@@ -287,7 +293,7 @@ def make_problem(shape: Shape, device, rank: int, world: int, seed: int):
 
 
 # The sanity pairs (engine, reference, key prefix): mok against the plain layer, the FP8 layer against bf16.
-SANITY_PAIRS = (("mok", "torch", ""), ("torch_fp8", "torch", "fp8_vs_bf16_"))
+SANITY_PAIRS = (("mok", "torch", ""), ("torch_fp8", "torch", "fp8_vs_bf16_"), ("mok_fp8", "mok", "mok_fp8_vs_bf16_"))
 
 
 def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer, dense: float,
@@ -312,6 +318,15 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
         spec = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
                                     config=mok.Config(max_tokens=shape.tokens))
         fns["mok"] = lambda: mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec)
+    if "mok_fp8" in args.engines:  # right after mok: its sanity pair needs mok's outputs
+        spec8 = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
+                                     config=mok.Config(max_tokens=shape.tokens, precision="fp8"))
+
+        def run_fp8():
+            mok.torch.mark_fp8_weights_stale()  # a training step's forward follows a weight update
+            return mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec8)
+
+        fns["mok_fp8"] = run_fp8
     if "torch" in args.engines:
         fns["torch"] = lambda: plain_moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, impl=impl)
     if "torch_fp8" in args.engines:
@@ -328,7 +343,7 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
         try:
             y = fn()
             torch.autograd.backward(y, dy)
-            if name == "mok":
+            if name.startswith("mok"):
                 mok.torch.check()
             outs[name] = {"y": y.detach(), "dx": x.grad, "dtw": tw.grad, **{k: t.grad for k, t in w.items()}}
         except Exception as e:  # noqa: BLE001 - reported in the table and the record, the other engine still runs
@@ -352,19 +367,19 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
     for name, fn in fns.items():
         if name in errors:
             continue
-        if name == "mok":
+        if name.startswith("mok"):
             mok.torch.set_checks("off")  # no host sync per call in the timed loops
         try:
             for p in args.passes:
                 metrics[f"{name}_{p}_ms"] = time_pass(p, fn, leaves, dy, timer, args.warmup, args.iters)
-            if name == "mok":
+            if name.startswith("mok"):
                 mok.torch.check()
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             for p in args.passes:
                 metrics.pop(f"{name}_{p}_ms", None)
         finally:
-            if name == "mok":
+            if name.startswith("mok"):
                 mok.torch.set_checks("sync")
     if world > 1:  # the slowest rank's medians
         keys = sorted(metrics)
@@ -381,6 +396,10 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
             metrics[f"{p}_speedup"] = metrics[f"torch_{p}_ms"] / metrics[f"mok_{p}_ms"]
         if f"torch_fp8_{p}_ms" in metrics and f"mok_{p}_ms" in metrics:
             metrics[f"mok_vs_torch_fp8_{p}"] = metrics[f"torch_fp8_{p}_ms"] / metrics[f"mok_{p}_ms"]
+        if f"mok_fp8_{p}_ms" in metrics:
+            for other, key in (("mok", "mok_fp8_vs_mok"), ("torch_fp8", "mok_fp8_vs_torch_fp8")):
+                if f"{other}_{p}_ms" in metrics:
+                    metrics[f"{key}_{p}"] = metrics[f"{other}_{p}_ms"] / metrics[f"mok_fp8_{p}_ms"]
     metrics["cublas_dense_tflops"] = dense
     if dense_fp8 is not None:
         metrics["cublas_dense_fp8_tflops"] = dense_fp8[0]
@@ -388,8 +407,20 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
     entry = {"bench": "torch_step", "shape": shape.name, "dims": shape.describe(), "ep": world,
              "tokens_per_rank": shape.tokens, "routing": "uniform", "torch_impl": impl, "warmup": args.warmup,
              "iters": args.iters, "metrics": metrics}
+    entry["precision"] = "bf16"  # of the mok engine; the fp8 one has its own record below
     if dense_fp8 is not None:
         entry["dense_fp8_scaling"] = dense_fp8[1]
+    if "mok_fp8_step_ms" in metrics or "mok_fp8_fwd_ms" in metrics:
+        names = {"fwd": "fwd", "bwd": "bwd", "step": "step"}
+        rec = {"precision": "fp8_block", "shape": shape.name, "ep": world}
+        for p in args.passes:
+            rec[f"{names[p]}_ms"] = metrics.get(f"mok_fp8_{p}_ms")
+            rec[f"bf16_{names[p]}_ms"] = metrics.get(f"mok_{p}_ms")
+            rec[f"plain_fp8_{names[p]}_ms"] = metrics.get(f"torch_fp8_{p}_ms")
+        rec["dense_bf16_tflops"] = dense
+        rec["dense_fp8_tflops"] = dense_fp8[0] if dense_fp8 is not None else None
+        rec["dense_fp8_scaling"] = dense_fp8[1] if dense_fp8 is not None else None
+        entry["fp8_record"] = rec
     if errors:
         entry["errors"] = errors
     return entry
@@ -416,10 +447,13 @@ def render_table(entries: list, passes=PASSES) -> str:
     """The results as a fixed-width text table: one row per (shape, pass), a sanity row per shape. With the
     torch_fp8 engine two more columns (its ms, and its ms over mok's) and its sanity row against bf16."""
     fp8 = any(k.startswith("torch_fp8_") for e in entries for k in e.get("metrics", {}))
+    mok8 = any(k.startswith("mok_fp8_") for e in entries for k in e.get("metrics", {}))
     head = (f"{'shape':8s} {'pass':5s} {'mok ms':>9s} {'torch ms':>9s} {'mok TF/s':>9s} {'torch TF/s':>10s} "
             f"{'mok/dense':>9s} {'torch/dense':>11s} {'speed-up':>8s}")
     if fp8:
         head += f" {'fp8 ms':>9s} {'vs fp8':>8s}"
+    if mok8:
+        head += f" {'mok8 ms':>9s} {'8/bf16':>7s} {'8/fp8':>7s}"
     lines = [head, "-" * len(head)]
     for e in entries:
         if "error" in e:
@@ -438,6 +472,10 @@ def render_table(entries: list, passes=PASSES) -> str:
             if fp8:
                 up8 = m.get(f"mok_vs_torch_fp8_{p}")
                 row += f" {_fmt(m.get(f'torch_fp8_{p}_ms'), '9.3f')} {_fmt(up8, '7.2f') + ('x' if up8 else ''):>8s}"
+            if mok8:
+                a, b = m.get(f"mok_fp8_vs_mok_{p}"), m.get(f"mok_fp8_vs_torch_fp8_{p}")
+                row += (f" {_fmt(m.get(f'mok_fp8_{p}_ms'), '9.3f')} {_fmt(a, '6.2f') + ('x' if a else ''):>7s}"
+                        f" {_fmt(b, '6.2f') + ('x' if b else ''):>7s}")
             lines.append(row)
         for engine, text in e.get("errors", {}).items():
             lines.append(f"{'':8s} {engine} failed: {text}")
@@ -449,6 +487,10 @@ def render_table(entries: list, passes=PASSES) -> str:
             lines.append(f"{'':8s} fp8: |y_fp8 - y_torch|/|y_torch| = {m['fp8_vs_bf16_y_rel_norm']:.2e}, "
                          f"dx {m['fp8_vs_bf16_dx_rel_norm']:.2e}, d topk_w {m['fp8_vs_bf16_dtw_rel_norm']:.2e}, "
                          f"weight grads (max) {m['fp8_vs_bf16_dw_rel_norm']:.2e}")
+        if "mok_fp8_vs_bf16_y_rel_norm" in m:
+            lines.append(f"{'':8s} mok fp8: |y_fp8 - y_mok|/|y_mok| = {m['mok_fp8_vs_bf16_y_rel_norm']:.2e}, "
+                         f"dx {m['mok_fp8_vs_bf16_dx_rel_norm']:.2e}, d topk_w {m['mok_fp8_vs_bf16_dtw_rel_norm']:.2e}, "
+                         f"weight grads (max) {m['mok_fp8_vs_bf16_dw_rel_norm']:.2e}")
     if entries and "metrics" in entries[0]:
         e = entries[0]
         lines.append(f"dense bf16 matmul: {e['metrics']['cublas_dense_tflops']:.4g} TFLOP/s; EP {e['ep']}; "
@@ -520,8 +562,9 @@ def parse_args(argv=None):
     c.add_argument("--tokens", type=int, help="T per rank")
     p.add_argument("--passes", default=",".join(PASSES), help="comma-separated, of fwd, bwd, step")
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
-                   help="comma-separated, of mok, torch, torch_fp8 (default mok,torch; torch_fp8: the plain layer "
-                        "with FP8 rowwise expert GEMMs, Hopper only, plus a dense FP8 reference)")
+                   help="comma-separated, of mok, torch, torch_fp8, mok_fp8 (default mok,torch; torch_fp8: the plain "
+                        "layer with FP8 rowwise expert GEMMs, Hopper only, plus a dense FP8 reference; mok_fp8: mok "
+                        "with Config(precision='fp8'))")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per pass (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations before them")
     p.add_argument("--dense-size", type=int, help="n of the n^3 dense matmul reference (default 8192; 512 on the CPU)")
@@ -596,7 +639,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        if world > 1 and "mok" in args.engines:
+        if world > 1 and ("mok" in args.engines or "mok_fp8" in args.engines):
             print("mok.bench: mok's CPU path is one process (EP 1): run on GPUs under torchrun", file=sys.stderr)
             return 2
     if world > 1:
@@ -606,7 +649,7 @@ def main(argv=None) -> int:
     timer = Timer(device, world)
     try:
         for shape in args.shape_list:  # every shape is checked before anything runs
-            problem = _shape_problem(shape, world, "mok" in args.engines)
+            problem = _shape_problem(shape, world, "mok" in args.engines or "mok_fp8" in args.engines)
             if problem:
                 if main_rank:
                     print(f"mok.bench: shape {shape.name} ({shape.describe()}) at EP {world}: {problem}",
@@ -614,7 +657,7 @@ def main(argv=None) -> int:
                 return 2
         dense = dense_tflops(device, args.dense_size, timer)
         dense_fp8 = None
-        if "torch_fp8" in args.engines and device.type == "cuda":
+        if ("torch_fp8" in args.engines or "mok_fp8" in args.engines) and device.type == "cuda":
             try:
                 dense_fp8 = dense_fp8_tflops(device, args.dense_size, timer)
             except (RuntimeError, NotImplementedError, ValueError) as e:  # the engine itself reports why

@@ -80,6 +80,24 @@ void Config::validate(const LayerShape& shape) const {
   if (be < 0 || be > 2) {
     throw_invalid("Config.backward_engine", "0 (auto), 1 (fused) or 2 (staged)", std::to_string(be));
   }
+  const auto pr = static_cast<int32_t>(precision);
+  if (pr < 0 || pr > 1) throw_invalid("Config.precision", "0 (bf16) or 1 (fp8_block)", std::to_string(pr));
+  // The FP8 passes are the staged engine's launches (docs/fp8.md "The FP8 layer"): every routed row
+  // stays resident, so no macrobatch ring.
+  if (precision == Precision::kFp8Block && resident_routed_rows(shape) < buffer_rows_per_rank(shape)) {
+    throw_invalid("Config.macrobatch",
+                  "0 or at least the routed buffer (" + std::to_string(buffer_rows_per_rank(shape)) +
+                      " rows) with Config.precision = fp8_block (the FP8 passes keep every routed row)",
+                  std::to_string(macrobatch));
+  }
+}
+
+const char* to_string(Precision precision) {
+  switch (precision) {
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp8Block: return "fp8_block";
+  }
+  return "invalid";
 }
 
 const char* to_string(ForwardEngine engine) {
@@ -196,7 +214,9 @@ std::string Config::to_string() const {
   s << "comm_sms_forward=" << comm_sms_forward << " comm_sms_backward=" << comm_sms_backward
     << " minibatch=" << minibatch << " macrobatch=" << macrobatch << " capacity=" << capacity
     << " grid_sms=" << grid_sms << " wait_timeout_s=" << wait_timeout_s
-    << " forward_engine=" << mok::to_string(forward_engine) << " backward_engine=" << mok::to_string(backward_engine);
+    << " forward_engine=" << mok::to_string(forward_engine) << " backward_engine=" << mok::to_string(backward_engine)
+    << " precision=" << mok::to_string(precision);
+  if (precision == Precision::kFp8Block) s << " fp8_weight_grads=" << (fp8_weight_grads ? 1 : 0);
   return s.str();
 }
 

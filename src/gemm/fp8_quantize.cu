@@ -96,11 +96,17 @@ struct RowsParams {
   int64_t scales_ld;
   NonFiniteRecord* rec;
   int64_t blocks_per_row;
+  const int64_t* rows_limit;
 };
+
+// The rows a kernel covers: rows, or fewer per the optional device count (negative: none).
+__device__ inline int64_t live_rows(int64_t rows, const int64_t* limit) {
+  return limit == nullptr ? rows : max(int64_t{0}, min(rows, *limit));
+}
 
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsParams p) {
   const int lane = threadIdx.x & 31;
-  const int64_t units = p.rows * p.blocks_per_row;
+  const int64_t units = live_rows(p.rows, p.rows_limit) * p.blocks_per_row;
   const int64_t stride = int64_t{gridDim.x} * kWarps;
   for (int64_t u = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); u < units; u += stride) {
     const int64_t r = u / p.blocks_per_row, b = u - r * p.blocks_per_row;
@@ -193,15 +199,18 @@ struct ColsParams {
   int64_t scales_t_ld;
   NonFiniteRecord* rec;
   int64_t row_tiles, col_tiles;
+  const int64_t* rows_limit;
 };
 
 __global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParams p) {
   __shared__ TileSmem s;
   const int c = threadIdx.x & (kBlock - 1), h = threadIdx.x >> 7;
-  for (int64_t t = blockIdx.x; t < p.row_tiles * p.col_tiles; t += gridDim.x) {
+  const int64_t rows = live_rows(p.rows, p.rows_limit);
+  const int64_t row_tiles = (rows + kBlock - 1) / kBlock;  // uniform over the launch
+  for (int64_t t = blockIdx.x; t < row_tiles * p.col_tiles; t += gridDim.x) {
     const int64_t br = t / p.col_tiles, bc = t - br * p.col_tiles;
     const int64_t r0 = br * kBlock, c0 = bc * kBlock;
-    const int nr = static_cast<int>(min(int64_t{kBlock}, p.rows - r0));
+    const int nr = static_cast<int>(min(int64_t{kBlock}, rows - r0));
     const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
     load_tile(s, p.x, p.ld, p.cols, r0, c0, nr, nc, 0, p.rec);
     __syncthreads();
@@ -344,7 +353,7 @@ void quantize_rows_1x128(const QuantizeRowsArgs& a, cudaStream_t stream) {
   check_ptr("a.scales", a.scales, 4, work);
   if (!work) return;
   RowsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes, codes_ld, a.scales,
-               scales_ld, a.nonfinite, (a.cols + kBlock - 1) / kBlock};
+               scales_ld, a.nonfinite, (a.cols + kBlock - 1) / kBlock, a.rows_limit};
   const int64_t units = a.rows * p.blocks_per_row;
   quantize_rows_kernel<<<grid_for((units + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
   host::check_cuda(cudaGetLastError(), "quantize_rows_1x128 launch");
@@ -363,7 +372,8 @@ void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stre
   check_ptr("a.scales_t", a.scales_t, 4, work);
   if (!work) return;
   ColsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes_t, codes_t_ld, a.scales_t,
-               scales_t_ld, a.nonfinite, (a.rows + kBlock - 1) / kBlock, (a.cols + kBlock - 1) / kBlock};
+               scales_t_ld, a.nonfinite, (a.rows + kBlock - 1) / kBlock, (a.cols + kBlock - 1) / kBlock,
+               a.rows_limit};
   quantize_cols_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
   host::check_cuda(cudaGetLastError(), "quantize_cols_128x1_transposed launch");
 }

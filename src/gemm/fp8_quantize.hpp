@@ -43,6 +43,10 @@ struct QuantizeRowsArgs {
   float* scales = nullptr;
   int64_t scales_ld = 0;  // 0 = rows; >= rows
   NonFiniteRecord* nonfinite = nullptr;  // required
+  // Optional device row count read at run time (the schedule's padded rows of a routed buffer
+  // sized for the worst case): rows at or past min(rows, *rows_limit) are neither read nor
+  // written; a negative value (a poisoned schedule) means none. nullptr: every row.
+  const int64_t* rows_limit = nullptr;
 };
 void quantize_rows_1x128(const QuantizeRowsArgs& a, cudaStream_t stream);
 
@@ -60,6 +64,7 @@ struct QuantizeColsArgs {
   float* scales_t = nullptr;
   int64_t scales_t_ld = 0;  // 0 = cols; >= cols
   NonFiniteRecord* nonfinite = nullptr;  // required
+  const int64_t* rows_limit = nullptr;  // as QuantizeRowsArgs::rows_limit (rows of x)
 };
 void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stream);
 

@@ -198,6 +198,13 @@ void wgrad_fp8(const WgradFp8Args& a, const Launch& launch, cudaStream_t stream)
     pp.m = static_cast<int>(pr.m);
     pp.n = static_cast<int>(pr.n);
     pp.out = pr.out;
+    if (pr.out_stride != 0 && (a.mode == WgradOut::kPartialFp32 || pr.out_stride < pr.m * pr.n || pr.out_stride % 2 != 0)) {
+      throw_invalid(n + "out_stride",
+                    "0 (dense), or with mode kWriteBf16 / kAccumulateFp32 an even number >= m*n = " +
+                        std::to_string(pr.m * pr.n),
+                    std::to_string(pr.out_stride));
+    }
+    pp.out_stride = pr.out_stride != 0 ? pr.out_stride : pr.m * pr.n;
     p.sched.m_tiles[q] = static_cast<int>(blocks_of(pr.m));
     p.sched.n_tiles[q] = static_cast<int>(blocks_of(pr.n));
   }

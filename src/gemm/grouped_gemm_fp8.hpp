@@ -116,7 +116,10 @@ struct Fp8Transposed {
 struct WgradFp8Problem {
   Fp8Transposed a, b;
   int64_t m = 0, n = 0;
-  void* out = nullptr;  // [E, m, n], dense
+  void* out = nullptr;  // [E, m, n]
+  // Elements from expert e's [m, n] block of `out` to e+1's; 0 = m*n (dense). kWriteBf16 and
+  // kAccumulateFp32 only (as WgradProblem::out_stride).
+  int64_t out_stride = 0;
 };
 struct WgradFp8Args {
   Segments seg;

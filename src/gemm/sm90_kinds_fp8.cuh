@@ -332,6 +332,7 @@ struct WgradFp8ProblemParams {
   CUtensorMap a_scales, b_scales;  // fp32 [rows / 128, M or N], box 128 x 1
   int m, n;
   void* out;                       // [E, M, N]: fp32 (sums / main grad) or bf16
+  int64_t out_stride;              // elements from expert e's [M, N] block to e+1's
 };
 struct WgradFp8Params {
   WgradFp8ProblemParams problems[kMaxWgradProblems];
@@ -381,7 +382,7 @@ struct WgradFp8Kind {
     for (int i = 0; i < cute::size(acc); i += 2) {
       const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2), n = 128 * t.n_tile + ctx.col(i / 4);
       if (m >= pr.m || n >= pr.n) continue;
-      const int64_t off = (int64_t{t.expert} * pr.m + m) * pr.n + n;
+      const int64_t off = int64_t{t.expert} * pr.out_stride + int64_t{m} * pr.n + n;
       if constexpr (Mode == kWgradWriteBf16) {
         reinterpret_cast<uint32_t*>(pr.out)[off / 2] = pack_bf16x2(acc(i), acc(i + 1));
       } else {

@@ -61,6 +61,28 @@ Context::Impl& context_of(Workspace::Impl& impl, Context* ctx, const char* argum
   return c;
 }
 
+// Config::precision kFp8Block: the pass's weight copies, the caller's cache (ExpertWeights::fp8), or
+// else the workspace's own, quantized now from the bf16 weights (the same bits, more time).
+megakernel::Fp8Pass fp8_pass(Workspace::Impl& impl, const ExpertWeights& w, cudaStream_t stream) {
+  megakernel::Fp8Pass pass;
+  pass.fp8_wgrad = impl.config.fp8_weight_grads;
+  if (w.fp8 != nullptr) {
+    const Fp8WeightCache::Impl& cache = w.fp8->impl();
+    if (cache.workspace_serial != impl.serial) {
+      throw_invalid("ExpertWeights.fp8", "an Fp8WeightCache created for this workspace (Fp8WeightCache::create(ws, ...))",
+                    "a cache of another workspace");
+    }
+    if (!cache.ready) throw_invalid("ExpertWeights.fp8", "a cache that update() has filled", "a cache never updated");
+    pass.weights = &cache.views;
+  } else {
+    impl.own_fp8->update(w, stream);
+    pass.weights = &impl.own_fp8->impl().views;
+  }
+  return pass;
+}
+
+bool is_fp8(const Workspace::Impl& impl) { return impl.config.precision == Precision::kFp8Block; }
+
 }  // namespace
 
 void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weights, cudaStream_t stream) {
@@ -79,7 +101,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     target.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
     target.shared_u = impl.shape.has_shared() ? impl.backward->shared_u.get() : nullptr;
   }
-  if (impl.config.forward_engine == ForwardEngine::kFused) {
+  if (impl.config.forward_engine == ForwardEngine::kFused && !is_fp8(impl)) {
     megakernel::FusedForwardOptions options = impl.fused;
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
     options.grid = impl.config.grid_sms;
@@ -91,6 +113,11 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.combine_ctas = options.dispatch_ctas;
     options.gemm_grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;
+    megakernel::Fp8Pass pass;
+    if (is_fp8(impl)) {  // FP8 runs the staged launches with the FP8 GEMM kinds (config.hpp)
+      pass = fp8_pass(impl, weights, stream);
+      options.fp8 = &pass;
+    }
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
   }
   megakernel::save_schedule(*impl.state, *impl.forward, ctx.layout, ctx.base, stream);
@@ -167,7 +194,14 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   DeviceGuard guard(impl.device);
   const megakernel::GradInputs defer = deferred_inputs(ctx);
   const megakernel::GradInputs* into = args.defer_weight_grads ? &defer : nullptr;
-  if (impl.config.effective_backward_engine(grads.mode == GradMode::kAccumulateFp32) == BackwardEngine::kFused) {
+  if (is_fp8(impl)) {  // FP8 runs the staged launches with the FP8 GEMM kinds (config.hpp)
+    megakernel::StagedBackwardOptions options = backward_options(impl);
+    const megakernel::Fp8Pass pass = fp8_pass(impl, weights, stream);
+    options.fp8 = &pass;
+    megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
+                                options, stream, into);
+  } else if (impl.config.effective_backward_engine(grads.mode == GradMode::kAccumulateFp32) ==
+             BackwardEngine::kFused) {
     megakernel::fused_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
                                fused_backward_options(impl), stream, into);
   } else {
@@ -188,8 +222,12 @@ void backward_weight_grads(Workspace& ws, const BackwardArgs& args, const Weight
                   "a context without deferred weight gradients");
   }
   DeviceGuard guard(impl.device);
+  megakernel::StagedBackwardOptions options = backward_options(impl);
+  megakernel::Fp8Pass pass;  // no weights: the weight gradients read none
+  pass.fp8_wgrad = impl.config.fp8_weight_grads;
+  if (is_fp8(impl)) options.fp8 = &pass;
   megakernel::deferred_weight_grads(*impl.state, *impl.forward, *impl.backward, ctx.saved, args, grads,
-                                    deferred_inputs(ctx), backward_options(impl), stream);
+                                    deferred_inputs(ctx), options, stream);
   ctx.state = Context::Impl::State::kConsumed;
   impl.last_stream = stream;
 }
@@ -205,8 +243,14 @@ void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const Exp
                   "a routing-only context (its backward recomputes them itself)");
   }
   DeviceGuard guard(impl.device);
+  megakernel::StagedBackwardOptions options = backward_options(impl);
+  megakernel::Fp8Pass pass;
+  if (is_fp8(impl)) {
+    pass = fp8_pass(impl, weights, stream);
+    options.fp8 = &pass;
+  }
   megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, ctx.saved,
-                                    backward_options(impl), stream);
+                                    options, stream);
   ctx.complete = true;
   impl.last_stream = stream;
 }

@@ -18,6 +18,10 @@ struct mok_context {
   std::unique_ptr<mok::Context> ctx;
 };
 
+struct mok_fp8_weights {
+  std::unique_ptr<mok::Fp8WeightCache> cache;
+};
+
 namespace {
 
 thread_local std::string g_last_error;
@@ -61,6 +65,12 @@ mok::Config to_config(const mok_config_t* c) {
   cfg.wait_timeout_s = c->wait_timeout_s;
   cfg.forward_engine = static_cast<mok::ForwardEngine>(c->forward_engine);  // Config::validate checks the range
   cfg.backward_engine = static_cast<mok::BackwardEngine>(c->backward_engine);
+  cfg.precision = static_cast<mok::Precision>(c->precision);
+  if (c->fp8_weight_grads != 0 && c->fp8_weight_grads != 1) {
+    mok::throw_invalid("Config.fp8_weight_grads", "0 (bf16 weight-gradient GEMMs) or 1 (FP8)",
+                       std::to_string(c->fp8_weight_grads));
+  }
+  cfg.fp8_weight_grads = c->fp8_weight_grads == 1;
   return cfg;
 }
 
@@ -71,6 +81,7 @@ mok::ExpertWeights to_weights(const mok_expert_weights_t* w) {
   e.gate_expert_stride = w->gate_expert_stride;
   e.up_expert_stride = w->up_expert_stride;
   e.down_expert_stride = w->down_expert_stride;
+  e.fp8 = w->fp8 != nullptr ? w->fp8->cache.get() : nullptr;
   return e;
 }
 
@@ -145,7 +156,9 @@ mok_status_t mok_config_default(mok_config_t* config) {
                            d.grid_sms,
                            d.wait_timeout_s,
                            static_cast<int32_t>(d.forward_engine),
-                           static_cast<int32_t>(d.backward_engine)};
+                           static_cast<int32_t>(d.backward_engine),
+                           static_cast<int32_t>(d.precision),
+                           d.fp8_weight_grads ? 1 : 0};
   });
 }
 
@@ -209,6 +222,32 @@ mok_status_t mok_context_create_in(mok_workspace_t ws, void* memory, uint64_t by
 
 mok_status_t mok_context_destroy(mok_context_t ctx) {
   return guarded([&] { delete ctx; });
+}
+
+mok_status_t mok_fp8_weights_bytes(const mok_layer_shape_t* shape, uint64_t* bytes) {
+  return guarded([&] {
+    require(bytes, "bytes");
+    *bytes = mok::Fp8WeightCache::bytes(to_shape(shape));
+  });
+}
+
+mok_status_t mok_fp8_weights_create_in(mok_workspace_t ws, void* memory, uint64_t bytes, mok_fp8_weights_t* out) {
+  return guarded([&] {
+    require(out, "out");
+    *out = nullptr;
+    *out = new mok_fp8_weights{mok::Fp8WeightCache::create(deref(ws), memory, static_cast<size_t>(bytes))};
+  });
+}
+
+mok_status_t mok_fp8_weights_update(mok_fp8_weights_t fp8, const mok_expert_weights_t* weights, mok_stream_t stream) {
+  return guarded([&] {
+    require(fp8, "fp8");
+    fp8->cache->update(to_weights(weights), stream_of(stream));
+  });
+}
+
+mok_status_t mok_fp8_weights_destroy(mok_fp8_weights_t fp8) {
+  return guarded([&] { delete fp8; });
 }
 
 mok_status_t mok_forward(mok_workspace_t ws, mok_context_t ctx, const void* x, const float* topk_w, void* y,

@@ -43,13 +43,16 @@ void finish_impl(Workspace::Impl& impl, int64_t resident) {
   impl.forward = std::make_unique<megakernel::ForwardBuffers>(impl.shape, impl.config,
                                                               impl.state->view().buffer_rows, resident);
   impl.backward = std::make_unique<megakernel::BackwardBuffers>(impl.shape, impl.state->view().buffer_rows,
-                                                                impl.state->row_buffer_is_ring());
+                                                                impl.state->row_buffer_is_ring(),
+                                                                impl.config.precision == Precision::kFp8Block);
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // The workspace's own context (forwards given none), then a device sync as above.
 void add_own_context(Workspace& ws) {
   ws.impl().own_context = Context::create(ws, cudaStream_t{nullptr});
+  // FP8: the weight copies of passes given no cache (ExpertWeights::fp8 nullptr), quantized per call.
+  if (ws.config().precision == Precision::kFp8Block) ws.impl().own_fp8 = Fp8WeightCache::create(ws, cudaStream_t{nullptr});
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -63,9 +66,11 @@ std::unique_ptr<Workspace::Impl> new_impl(const LayerShape& shape, const Config&
   return impl;
 }
 
-// The macrobatch ring is the fused forward's; the staged path (a developer path) keeps every row.
+// The macrobatch ring is the fused forward's; the staged path (a developer path, and FP8's) keeps every row.
 int64_t resident_rows(const Workspace::Impl& impl) {
-  return impl.config.forward_engine == ForwardEngine::kFused ? impl.config.resident_routed_rows(impl.shape) : 0;
+  return impl.config.forward_engine == ForwardEngine::kFused && impl.config.precision == Precision::kBf16
+             ? impl.config.resident_routed_rows(impl.shape)
+             : 0;
 }
 
 }  // namespace
@@ -92,6 +97,7 @@ Workspace::~Workspace() {
       }
     }
     impl_->own_context.reset();
+    impl_->own_fp8.reset();
     impl_->backward.reset();
     impl_->forward.reset();
     impl_->state.reset();
@@ -151,12 +157,13 @@ void Workspace::check() {
   DeviceGuard guard(impl_->device);
   if (auto err = impl_->state->take_error(impl_->last_stream)) throw *err;
   megakernel::check_gemm_errors(*impl_->forward, impl_->last_stream);
+  megakernel::check_fp8_records(*impl_->forward, impl_->shape, impl_->last_stream);
 }
 
 size_t Workspace::device_bytes() const {
   const Impl& i = *impl_;
   return comm::CommState::window_bytes(i.shape) + i.state->device_bytes() + i.forward->bytes() +
-         i.backward->bytes() + (i.own_context ? i.own_context->bytes() : 0);
+         i.backward->bytes() + (i.own_context ? i.own_context->bytes() : 0) + (i.own_fp8 ? i.own_fp8->bytes() : 0);
 }
 
 void schedule(Workspace& ws, const int32_t* topk_idx, cudaStream_t stream) {

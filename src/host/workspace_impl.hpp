@@ -12,6 +12,7 @@
 #include "comm/comm_state.hpp"
 #include "comm/simulated_group.hpp"
 #include "megakernel/context.hpp"
+#include "megakernel/fp8_steps.hpp"
 #include "megakernel/fused_backward.hpp"
 #include "megakernel/fused_forward.hpp"
 #include "megakernel/staged_backward.hpp"
@@ -36,6 +37,18 @@ struct Context::Impl {
   megakernel::SavedContext saved;
 };
 
+// One layer's FP8 weight copies (include/mok/api.hpp): their memory block and its views.
+struct Fp8WeightCache::Impl {
+  uint64_t workspace_serial = 0;  // the Workspace::Impl::serial of its workspace
+  int device = 0;
+  LayerShape shape;
+  char* base = nullptr;
+  size_t bytes = 0;
+  bool owned = false;  // mok allocated `base` (stream-ordered) and frees it
+  bool ready = false;  // update() ran
+  megakernel::Fp8WeightViews views;
+};
+
 struct Workspace::Impl {
   LayerShape shape;
   Config config;
@@ -46,6 +59,8 @@ struct Workspace::Impl {
   std::unique_ptr<megakernel::BackwardBuffers> backward;  // the backward's scratch
   // The context of forwards given none (ForwardArgs::context = nullptr), created with the workspace.
   std::unique_ptr<Context> own_context;
+  // Config::precision kFp8Block: the weight copies of passes given no cache, quantized per call.
+  std::unique_ptr<Fp8WeightCache> own_fp8;
   uint64_t serial = 0;  // unique per workspace of the process: the contexts it made carry it
   // The engines are config.forward_engine / config.backward_engine (tests and benches may change
   // them on a live workspace; a forward engine change keeps the workspace's routed buffers).

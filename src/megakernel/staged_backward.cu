@@ -155,6 +155,13 @@ void run_gemm1(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd
                const bf16* x_rows, const ExpertWeights& w, const StagedBackwardOptions& o, cudaStream_t stream) {
   const LayerShape& s = state.shape();
   const gemm::Launch launch = gemm_launch(fwd, o.gemm_grid, o.timeout_s);
+  if (o.fp8 != nullptr) {
+    const gemm::Segments seg{out.seg_offsets, out.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
+    if (s.has_shared()) forward_gemms_fp8(s, fwd, seg, nullptr, nullptr, *o.fp8, out, launch, true, false, stream);
+    forward_gemms_fp8(s, fwd, seg, x_rows, &out.schedule.header->padded_rows, *o.fp8, out, launch, false, false,
+                      stream);
+    return;
+  }
   if (s.has_shared()) {
     const gemm::Segments seg{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
     gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, fwd.shared_x.get(), w.shared_gate, w.shared_up,
@@ -181,7 +188,7 @@ void recompute_activations(comm::CommState& state, ForwardBuffers& fwd, Backward
   run_gemm1(state, fwd, bwd, out, x_rows, w, o, stream);
 }
 
-BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows, bool x_rows_too)
+BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows, bool x_rows_too, bool fp8_scratch)
     : buffer_rows(rows),
       shared_rows(round_up(s.tokens, kRowTile)),
       col_tiles(gemm::dgrad_hidden_col_tiles(s.intermediate)),
@@ -206,12 +213,14 @@ BackwardBuffers::BackwardBuffers(const LayerShape& s, int64_t rows, bool x_rows_
   if (s.has_shared()) MOK_CUDA_CHECK(cudaMemset(shared_dy.get(), 0, shared_dy.bytes()));  // padding rows stay 0
   fill_ones<<<blocks_for(ones.size(), 256, 1024), 256>>>(ones.get(), static_cast<int64_t>(ones.size()));
   MOK_CUDA_CHECK(cudaGetLastError());
+  if (fp8_scratch) fp8 = std::make_unique<Fp8BackwardScratch>(s, rows, shared_rows);
 }
 
 size_t BackwardBuffers::bytes() const {
   return x_rows.bytes() + dy_rows.bytes() + dx_rows.bytes() + dg.bytes() + du.bytes() + hs.bytes() + row_w.bytes() +
          dw_part.bytes() + shared_dy.bytes() + shared_dg.bytes() + shared_du.bytes() + shared_hs.bytes() +
-         shared_dx.bytes() + ones.bytes() + g.bytes() + u.bytes() + shared_g.bytes() + shared_u.bytes();
+         shared_dx.bytes() + ones.bytes() + g.bytes() + u.bytes() + shared_g.bytes() + shared_u.bytes() +
+         (fp8 ? fp8->bytes() : 0);
 }
 
 GradInputs GradInputs::scratch(BackwardBuffers& bwd) {
@@ -247,16 +256,29 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
           fwd.shared_rows, S / 2);
       MOK_CUDA_CHECK(cudaGetLastError());
     }
-    if (parts & kSharedDh) {
-      gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
-                                 out.shared_dg, out.shared_du},
-                                launch, stream);
+    if (o.fp8 != nullptr) {
+      if (parts & (kSharedDh | kSharedDx)) {
+        backward_dgrad_fp8(state, fwd, bwd, saved, *o.fp8, out, true, parts & kSharedDh, parts & kSharedDx, launch,
+                           stream);
+      }
+    } else {
+      if (parts & kSharedDh) {
+        gemm::dgrad_hidden_swiglu({seg, H, S, bwd.shared_dy.get(), w.shared_down, saved.shared_g, saved.shared_u,
+                                   out.shared_dg, out.shared_du},
+                                  launch, stream);
+      }
+      if (parts & kSharedDx) {
+        gemm::dgrad_input({seg, H, S, out.shared_dg, out.shared_du, w.shared_gate, w.shared_up, bwd.shared_dx.get()},
+                          launch, stream);
+      }
     }
-    if (parts & kSharedDx) {
-      gemm::dgrad_input({seg, H, S, out.shared_dg, out.shared_du, w.shared_gate, w.shared_up, bwd.shared_dx.get()},
-                        launch, stream);
+    if (parts & kSharedWgrad) {
+      if (o.fp8 != nullptr && o.fp8->fp8_wgrad) {
+        backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, true, launch, stream);
+      } else {
+        gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, true), launch, stream);
+      }
     }
-    if (parts & kSharedWgrad) gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, true), launch, stream);
   }
 
   // Routed experts (hs first, as above).
@@ -267,16 +289,30 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
         reinterpret_cast<const uint32_t*>(saved.u), reinterpret_cast<uint32_t*>(out.hs), R, I / 2);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
-  gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, out.dg, out.du};
-  dh.w_down_stride = w.down_expert_stride;
-  dh.row_w = bwd.row_w.get();
-  dh.dw_part = bwd.dw_part.get();
-  if (parts & kRoutedDh) gemm::dgrad_hidden_swiglu(dh, launch, stream);
-  if (parts & kRoutedDx) {
-    gemm::dgrad_input({seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get(), w.gate_expert_stride, w.up_expert_stride},
-                      launch, stream);
+  if (o.fp8 != nullptr) {
+    if (parts & (kRoutedDh | kRoutedDx)) {
+      backward_dgrad_fp8(state, fwd, bwd, saved, *o.fp8, out, false, parts & kRoutedDh, parts & kRoutedDx, launch,
+                         stream);
+    }
+  } else {
+    gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, out.dg, out.du};
+    dh.w_down_stride = w.down_expert_stride;
+    dh.row_w = bwd.row_w.get();
+    dh.dw_part = bwd.dw_part.get();
+    if (parts & kRoutedDh) gemm::dgrad_hidden_swiglu(dh, launch, stream);
+    if (parts & kRoutedDx) {
+      gemm::dgrad_input({seg, H, I, out.dg, out.du, w.gate, w.up, bwd.dx_rows.get(), w.gate_expert_stride,
+                         w.up_expert_stride},
+                        launch, stream);
+    }
   }
-  if (parts & kRoutedWgrad) gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, false), launch, stream);
+  if (parts & kRoutedWgrad) {
+    if (o.fp8 != nullptr && o.fp8->fp8_wgrad) {
+      backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, false, launch, stream);
+    } else {
+      gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, false), launch, stream);
+    }
+  }
 }
 
 gemm::WgradArgs backward_wgrad_args(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
@@ -405,10 +441,22 @@ void backward_finish(comm::CommState& state, BackwardBuffers& bwd, const comm::S
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+namespace {
+
+// An FP8 backward's outputs are NaN when a tensor it quantized held a non-finite value.
+void poison_fp8_outputs(ForwardBuffers& fwd, const LayerShape& s, const BackwardArgs& args, int64_t T,
+                        cudaStream_t stream) {
+  poison_on_nonfinite(fwd, args.dx, T * s.hidden / 2, stream);
+  poison_on_nonfinite(fwd, args.dtopk_w, T * s.topk, stream);
+}
+
+}  // namespace
+
 void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd, const SavedContext& saved,
                      const BackwardArgs& args, const ExpertWeights& w, const WeightGrads& grads,
                      const StagedBackwardOptions& o, cudaStream_t stream, const GradInputs* defer) {
   if (defer == nullptr) check_grads(state.shape(), grads);  // before anything is enqueued
+  if (o.fp8 != nullptr) merge_weight_records(fwd, *o.fp8, stream);
   const SavedContext used = backward_prologue(state, fwd, bwd, saved, args, w, o, /*pull_dy=*/true, stream);
   if (defer != nullptr) {  // no weight gradients now: dg, du, hs stay in the context
     backward_gemms(state, fwd, bwd, used, w, WeightGrads{}, o, /*with_hs=*/true, stream,
@@ -417,6 +465,7 @@ void staged_backward(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffer
     backward_gemms(state, fwd, bwd, used, w, grads, o, /*with_hs=*/true, stream);
   }
   backward_finish(state, bwd, saved.schedule, args, o, /*push_dtopk_rows=*/true, /*combine=*/true, stream);
+  if (o.fp8 != nullptr) poison_fp8_outputs(fwd, state.shape(), args, saved.schedule.tokens, stream);
 }
 
 }  // namespace mok::megakernel

@@ -11,6 +11,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <memory>
+
 #include "comm/comm_state.hpp"
 #include "comm/device_buffer.hpp"
 #include "gemm/grouped_gemm.hpp"
@@ -24,7 +26,8 @@ namespace mok::megakernel {
 struct BackwardBuffers {
   // x_rows_too: the row buffer of the forward is the macrobatch ring, so the backward pulls x
   // into rows of its own (x_rows).
-  BackwardBuffers(const LayerShape& shape, int64_t buffer_rows, bool x_rows_too);
+  // fp8: Config::precision kFp8Block (the quantized operands of the FP8 backward, fp8_steps.hpp).
+  BackwardBuffers(const LayerShape& shape, int64_t buffer_rows, bool x_rows_too, bool fp8 = false);
   int64_t buffer_rows = 0, shared_rows = 0, col_tiles = 0;
   comm::DeviceBuffer<bf16> x_rows;       // [buffer_rows, H] with x_rows_too, else empty (the row buffer)
   comm::DeviceBuffer<bf16> dy_rows;      // [buffer_rows, H] pulled dy rows (unscaled)
@@ -41,6 +44,7 @@ struct BackwardBuffers {
   // the forward on the pulled x rows, the same bits), h going to hs (rebuilt after).
   comm::DeviceBuffer<bf16> g, u;         // [buffer_rows, I]
   comm::DeviceBuffer<bf16> shared_g, shared_u;  // [shared_rows, I_shared]
+  std::unique_ptr<Fp8BackwardScratch> fp8;
   size_t bytes() const;
 };
 
@@ -55,6 +59,8 @@ struct StagedBackwardOptions {
   int comm_ctas = 16;   // pulls and the dx push
   int gemm_grid = 0;    // persistent GEMM CTAs; 0 = every SM
   double timeout_s = 10.0;
+  // Non-null: the pass in FP8 (fp8_steps.hpp); its weights may be null for the deferred weight gradients.
+  const Fp8Pass* fp8 = nullptr;
 };
 
 // One backward pass on `stream` over `saved` (a context a forward on this workspace filled).

@@ -45,19 +45,25 @@ __global__ void check_weights_kernel(const float* topk_w, int64_t n, comm::Devic
 
 __global__ void set_word(int32_t* word, int32_t value) { *word = value; }
 
-void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeights& w, const bf16* rows,
+void run_expert_gemms(const comm::CommState& state, ForwardBuffers& b, const ExpertWeights& w, const bf16* rows,
                       const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
+  const LayerShape& s = state.shape();
   const gemm::Launch launch = gemm_launch(b, o.gemm_grid, o.timeout_s);
-  if (s.has_shared()) {  // first, as in the fused kernel (hides the dispatch there)
-    const gemm::Segments seg{b.shared_offsets.get(), b.shared_rows_dev.get(), 1, b.shared_rows};
-    gemm::gemm1_swiglu({seg, s.hidden, s.shared_intermediate, b.shared_x.get(), w.shared_gate, w.shared_up,
-                        b.shared_h.get(), save.shared_g, save.shared_u},
-                       launch, stream);
-    gemm::gemm2({seg, s.hidden, s.shared_intermediate, b.shared_h.get(), w.shared_down, b.shared_out.get()}, launch,
-                stream);
-  }
   const gemm::Segments seg{b.seg_offsets.get(), b.seg_rows.get(), static_cast<int>(s.local_experts()),
                            b.buffer_rows};
+  if (o.fp8 != nullptr) {
+    if (s.has_shared()) forward_gemms_fp8(s, b, seg, nullptr, nullptr, *o.fp8, save, launch, true, true, stream);
+    forward_gemms_fp8(s, b, seg, rows, &state.view().header->padded_rows, *o.fp8, save, launch, false, true, stream);
+    return;
+  }
+  if (s.has_shared()) {  // first, as in the fused kernel (hides the dispatch there)
+    const gemm::Segments sseg{b.shared_offsets.get(), b.shared_rows_dev.get(), 1, b.shared_rows};
+    gemm::gemm1_swiglu({sseg, s.hidden, s.shared_intermediate, b.shared_x.get(), w.shared_gate, w.shared_up,
+                        b.shared_h.get(), save.shared_g, save.shared_u},
+                       launch, stream);
+    gemm::gemm2({sseg, s.hidden, s.shared_intermediate, b.shared_h.get(), w.shared_down, b.shared_out.get()}, launch,
+                stream);
+  }
   gemm::gemm1_swiglu({seg, s.hidden, s.intermediate, rows, w.gate, w.up, b.h.get(), save.g, save.u,
                       w.gate_expert_stride, w.up_expert_stride},
                      launch, stream);
@@ -67,7 +73,7 @@ void run_expert_gemms(const LayerShape& s, ForwardBuffers& b, const ExpertWeight
 
 }  // namespace
 
-ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows, int64_t resident)
+ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config& config, int64_t rows, int64_t resident)
     : buffer_rows(rows),
       resident_rows(resident > 0 && resident < rows ? resident : rows),
       shared_rows(round_up(s.tokens, kRowTile)),
@@ -90,6 +96,7 @@ ForwardBuffers::ForwardBuffers(const LayerShape& s, const Config&, int64_t rows,
   MOK_CUDA_CHECK(cudaMemcpy(shared_rows_dev.get(), &real, sizeof(real), cudaMemcpyHostToDevice));
   if (s.has_shared()) MOK_CUDA_CHECK(cudaMemset(shared_x.get(), 0, shared_x.bytes()));  // padding rows stay 0
   MOK_CUDA_CHECK(cudaMemset(gemm_error.get(), 0, gemm_error.bytes()));
+  if (config.precision == Precision::kFp8Block) fp8 = std::make_unique<Fp8ForwardScratch>(s, rows, shared_rows);
 }
 
 namespace {
@@ -115,7 +122,7 @@ int64_t resident_tile(const ForwardBuffers& b, int64_t tile, int64_t padded_rows
 void forward_gemms_only(comm::CommState& state, ForwardBuffers& b, const ExpertWeights& w,
                         const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
   refuse_ring(state, b, "the GEMMs-alone yardstick");
-  run_expert_gemms(state.shape(), b, w, state.row_buffer(), o, save, stream);
+  run_expert_gemms(state, b, w, state.row_buffer(), o, save, stream);
 }
 
 void convert_segments(comm::CommState& state, ForwardBuffers& b, cudaStream_t stream) {
@@ -170,14 +177,16 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
   const LayerShape& s = state.shape();
   const int64_t T = state.view().tokens;  // this call's tokens
   check_router_weights(state, args.topk_w, T, stream);
+  if (o.fp8 != nullptr) merge_weight_records(b, *o.fp8, stream);
   convert_segments(state, b, stream);
   state.stage_x(args.x, T, stream);
   if (s.has_shared()) stage_shared_rows(b, T, s.hidden, {{b.shared_x.get(), args.x}}, stream);
   state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
-  run_expert_gemms(s, b, w, state.row_buffer(), o, save, stream);
+  run_expert_gemms(state, b, w, state.row_buffer(), o, save, stream);
   state.combine(b.expert_out.get(), o.combine_ctas, /*own_rows_in_place=*/true, stream);
   state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, b.expert_out.get(), args.y, stream);
   poison_y_on_error(state, args.y, T, stream);
+  if (o.fp8 != nullptr) poison_on_nonfinite(b, args.y, T * s.hidden / 2, stream);
 }
 
 void check_gemm_errors(ForwardBuffers& b, cudaStream_t stream) {

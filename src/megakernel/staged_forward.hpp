@@ -9,12 +9,14 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <utility>
 
 #include "comm/comm_state.hpp"
 #include "comm/device_buffer.hpp"
 #include "gemm/grouped_gemm.hpp"
 #include "megakernel/context.hpp"
+#include "megakernel/fp8_steps.hpp"
 #include "mok/api.hpp"
 
 namespace mok::megakernel {
@@ -33,7 +35,7 @@ struct ForwardBuffers {
   size_t bytes() const {  // device memory of all the buffers below
     return seg_offsets.bytes() + seg_rows.bytes() + shared_offsets.bytes() + shared_rows_dev.bytes() + h.bytes() +
            g.bytes() + u.bytes() + expert_out.bytes() + shared_x.bytes() + shared_h.bytes() + shared_out.bytes() +
-           gemm_error.bytes() + tile_counters.bytes();
+           gemm_error.bytes() + tile_counters.bytes() + (fp8 ? fp8->bytes() : 0);
   }
   comm::DeviceBuffer<int32_t> seg_offsets, seg_rows;        // [E_local + 1], [E_local] for the GEMMs
   comm::DeviceBuffer<int32_t> shared_offsets, shared_rows_dev;  // one segment of T rows
@@ -51,6 +53,8 @@ struct ForwardBuffers {
   // g1_done and g2_done [buffer_rows / 128] each, s2_done [shared_rows / 128], then the top-k
   // sum's work counter and the task counter (src/megakernel/fused_roles.cuh, fused_topk_sum.cuh).
   comm::DeviceBuffer<uint32_t> tile_counters;
+  // Config::precision kFp8Block: the quantized operands and the non-finite records (fp8_steps.hpp).
+  std::unique_ptr<Fp8ForwardScratch> fp8;
 };
 
 struct StagedForwardOptions {
@@ -58,6 +62,8 @@ struct StagedForwardOptions {
   int combine_ctas = 16;
   int gemm_grid = 0;    // persistent GEMM CTAs; 0 = every SM
   double timeout_s = 10.0;
+  // Non-null: the pass in FP8 (the GEMMs of fp8_steps.hpp on these weight copies).
+  const Fp8Pass* fp8 = nullptr;
 };
 
 // One forward pass on `stream` after mok::schedule(): dedup dispatch, the expert GEMMs, the

@@ -222,6 +222,37 @@ TEST(ConfigValidation, CapacitySizesBuffers) {
 }
 
 // macrobatch: a ring of at least two minibatches below the routed buffer, every row otherwise.
+TEST(ConfigValidation, PrecisionNamesTheKnobAndFp8KeepsEveryRoutedRow) {
+  const auto s = good_shape();  // buffer_rows_per_rank 5120 at capacity 2
+  mok::Config c;
+  EXPECT_EQ(c.precision, mok::Precision::kBf16);
+  EXPECT_TRUE(c.fp8_weight_grads);
+  EXPECT_NE(c.to_string().find("precision=bf16"), std::string::npos) << c.to_string();
+  EXPECT_EQ(c.to_string().find("fp8_weight_grads"), std::string::npos) << c.to_string();  // bf16: no FP8 knob
+  c.precision = static_cast<mok::Precision>(2);
+  expect_invalid([&] { c.validate(s); }, {"Config.precision", "0 (bf16) or 1 (fp8_block)", "2"});
+  c.precision = static_cast<mok::Precision>(-1);
+  expect_invalid([&] { c.validate(s); }, {"Config.precision", "-1"});
+  c = mok::Config{};
+  c.precision = mok::Precision::kFp8Block;
+  EXPECT_NO_THROW(c.validate(s));
+  c.fp8_weight_grads = false;
+  EXPECT_NO_THROW(c.validate(s));
+  EXPECT_NE(c.to_string().find("precision=fp8_block fp8_weight_grads=0"), std::string::npos) << c.to_string();
+  // The FP8 passes are the staged launches: a macrobatch ring (fine in bf16) is refused, naming the knob.
+  c.minibatch = 256;
+  c.macrobatch = 512;
+  expect_invalid([&] { c.validate(s); }, {"Config.macrobatch", "precision = fp8_block", "5120 rows", "512"});
+  c.precision = mok::Precision::kBf16;
+  EXPECT_NO_THROW(c.validate(s));
+  c.precision = mok::Precision::kFp8Block;
+  c.macrobatch = c.buffer_rows_per_rank(s);  // at least the buffer: every row resident, no ring
+  EXPECT_NO_THROW(c.validate(s));
+  EXPECT_STREQ(mok::to_string(mok::Precision::kBf16), "bf16");
+  EXPECT_STREQ(mok::to_string(mok::Precision::kFp8Block), "fp8_block");
+  EXPECT_STREQ(mok::to_string(static_cast<mok::Precision>(7)), "invalid");
+}
+
 TEST(ConfigValidation, MacrobatchSizesTheResidentRows) {
   const auto s = good_shape();  // buffer_rows_per_rank 5120 at capacity 2
   mok::Config c;

@@ -255,3 +255,31 @@ def test_bench_small_shape_on_the_gpu(tmp_path):
     assert rc == 0
     (entry,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert entry["metrics"]["y_rel_norm"] < 2e-2 and entry["metrics"]["dx_rel_norm"] < 2e-2
+
+
+def test_render_table_with_the_fp8_engines():
+    m = {"mok_step_ms": 4.0, "mok_fp8_step_ms": 2.5, "torch_fp8_step_ms": 5.0, "mok_fp8_vs_mok_step": 1.6,
+         "mok_fp8_vs_torch_fp8_step": 2.0, "cublas_dense_tflops": 800.0, "mok_fp8_vs_bf16_y_rel_norm": 0.06,
+         "mok_fp8_vs_bf16_dx_rel_norm": 0.065, "mok_fp8_vs_bf16_dtw_rel_norm": 0.06, "mok_fp8_vs_bf16_dw_rel_norm": 0.07}
+    text = bench.render_table([{"shape": "dsv3", "ep": 1, "torch_impl": "grouped_mm", "metrics": m}], passes=["step"])
+    head, row = text.splitlines()[0], next(line for line in text.splitlines() if line.startswith("dsv3     step"))
+    assert "mok8 ms" in head and "8/bf16" in head and "8/fp8" in head
+    assert "2.500" in row and "1.60x" in row and "2.00x" in row
+    assert "mok fp8: |y_fp8 - y_mok|/|y_mok| = 6.00e-02" in text
+    assert bench.parse_args(["--device", "cpu", "--engines", "mok,mok_fp8"]).engines == ["mok", "mok_fp8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (mok's FP8 kernels)")
+def test_bench_fp8_engine_on_the_gpu(tmp_path):
+    rc = bench.main(["--hidden", "1024", "--intermediate", "512", "--experts", "16", "--topk", "4", "--shared", "512",
+                     "--tokens", "4096", "--iters", "3", "--warmup", "1", "--engines", "mok,mok_fp8",
+                     "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    (entry,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    m, rec = entry["metrics"], entry["fp8_record"]
+    assert 0.01 < m["mok_fp8_vs_bf16_y_rel_norm"] < 0.1 and m["mok_fp8_vs_bf16_dw_rel_norm"] < 0.1
+    assert rec["precision"] == "fp8_block" and rec["ep"] == 1 and entry["precision"] == "bf16"
+    for k in ("fwd_ms", "bwd_ms", "step_ms", "bf16_fwd_ms", "bf16_bwd_ms", "bf16_step_ms", "dense_bf16_tflops",
+              "dense_fp8_tflops"):
+        assert rec[k] > 0, k

@@ -70,6 +70,47 @@ def test_config_engines_reach_libmok_and_bad_names_are_refused():
         mok.Config(forward_engine=0)
 
 
+def test_config_precision_names_alias_and_defaults():
+    assert mok.PRECISIONS == ("bf16", "fp8_block")
+    c = mok.Config().resolved()
+    assert c.precision == "bf16" and c.fp8_weight_grads is True  # libmok's defaults
+    raw = c.to_c()
+    assert (raw.precision, raw.fp8_weight_grads) == (0, 1)
+    assert mok.Config(precision="fp8").precision == "fp8_block"  # the alias is stored as the name
+    assert mok.Config(precision="fp8") == mok.Config(precision="fp8_block")
+    raw = mok.Config(precision="fp8", fp8_weight_grads=False).to_c()
+    assert (raw.precision, raw.fp8_weight_grads) == (1, 0)
+    assert mok.Config(precision="bf16").resolved().fp8_weight_grads is True
+    mok.validate(mok.LayerShape(**SHAPE), mok.Config(precision="fp8_block", fp8_weight_grads=False))
+
+
+@pytest.mark.parametrize("value", ["fp16", "FP8", "", 1, ["bf16"]])
+def test_config_precision_refuses_other_values(value):
+    with pytest.raises(mok.MokInvalidArgument) as e:
+        mok.Config(precision=value)
+    assert str(e.value).startswith("Config.precision: expected 'bf16' or 'fp8_block' (or the alias 'fp8' of "
+                                   "'fp8_block'), got ")
+    assert isinstance(e.value, ValueError)
+
+
+def test_config_fp8_weight_grads_is_a_bool_and_precision_reaches_libmok():
+    with pytest.raises(mok.MokInvalidArgument, match="Config.fp8_weight_grads: expected True or False, got 1"):
+        mok.Config(fp8_weight_grads=1)
+    # libmok's own rule: fp8_block keeps every routed row (no macrobatch ring), named by the knob
+    shape = mok.LayerShape(**SHAPE)
+    ring = mok.Config(minibatch=256, macrobatch=512)
+    mok.validate(shape, ring)
+    with pytest.raises(mok.MokInvalidArgument, match="Config.macrobatch: .*precision = fp8_block"):
+        mok.validate(shape, mok.Config(minibatch=256, macrobatch=512, precision="fp8"))
+
+
+def test_fp8_weights_bytes_about_the_bf16_weights():
+    shape = mok.LayerShape(**SHAPE, shared_intermediate=768)
+    n = mok.fp8_weights_bytes(shape)
+    bf16 = 2 * 3 * (shape.experts * shape.intermediate + shape.shared_intermediate) * shape.hidden
+    assert bf16 <= n <= 1.01 * bf16  # codes twice (as is, transposed) and the block scales
+
+
 SHAPE = dict(tokens=4096, hidden=2048, intermediate=768, experts=128, topk=8)
 
 

@@ -107,6 +107,35 @@ def test_module_argument_errors():
     expect(r"mode: expected 'sync' or 'off'", lambda: mok.torch.set_checks("sometimes"))
 
 
+def test_module_precision_arguments():
+    assert mok.torch.MoE(H, I, E, K).spec.config.precision == "bf16"
+    for name in ("fp8", "fp8_block"):
+        m = mok.torch.MoE(H, I, E, K, precision=name)
+        assert m.spec.config.precision == "fp8_block" and m.spec.fp8 and m.spec.config.fp8_weight_grads is True
+        assert "precision=fp8_block" in repr(m)
+    m = mok.torch.MoE(H, I, E, K, precision="fp8", fp8_weight_grads=False)
+    assert m.spec.config.fp8_weight_grads is False
+    m = mok.torch.MoE(H, I, E, K, config=mok.Config(precision="fp8", capacity=3.0), precision="fp8_block")
+    assert m.spec.config.precision == "fp8_block" and m.spec.config.capacity == 3.0  # agreeing is fine
+    expect(r"^precision: expected 'bf16' or 'fp8_block' \(or the alias 'fp8' of 'fp8_block'\), got 'fp16'$",
+           lambda: mok.torch.MoE(H, I, E, K, precision="fp16"))
+    expect(r"^fp8_weight_grads: expected None, True or False, got 'no'$",
+           lambda: mok.torch.MoE(H, I, E, K, precision="fp8", fp8_weight_grads="no"))
+    expect(r"^precision: expected None or config.precision \('bf16'\): set in both, they must agree, got 'fp8_block'",
+           lambda: mok.torch.MoE(H, I, E, K, config=mok.Config(precision="bf16"), precision="fp8"))
+    expect(r"Config.macrobatch: .*fp8_block",  # libmok's rule, reached through the module's config
+           lambda: mok.torch.MoE(H, I, E, K, config=mok.Config(minibatch=128, macrobatch=256, max_tokens=512),
+                                 precision="fp8"))
+
+
+def test_fp8_layer_on_the_cpu_is_not_implemented(layer):
+    """The CPU path computes the bf16 layer; an FP8 layer says so instead of returning bf16 numbers."""
+    _, x, idx, w = layer
+    m = mok.torch.MoE(H, I, E, K, precision="fp8")
+    with pytest.raises(mok.MokNotImplemented, match="precision 'fp8_block': the CPU path computes the bf16 layer"):
+        m(x, idx, w)
+
+
 def test_ep_group_needs_torch_distributed():
     class FakeGroup:
         pass

@@ -45,6 +45,9 @@ def test_layer_spec_roundtrip():
     assert spec.config.backward_engine == "fused" and spec.config.forward_engine == "fused"
     with pytest.raises(mok.MokInvalidArgument, match="spec"):
         parse_spec("garbage")
+    fp8 = parse_spec(mok.torch.layer_spec(H, I, E, K, S, config=mok.Config(precision="fp8", fp8_weight_grads=False)))
+    assert fp8.fp8 and fp8.config.precision == "fp8_block" and fp8.config.fp8_weight_grads is False
+    assert fp8.key() != key and parse_spec(fp8.key()) == fp8 and not spec.fp8
 
 
 def _fake_cuda_args(tokens, keep, shared=True):

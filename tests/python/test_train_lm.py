@@ -140,6 +140,48 @@ def test_argument_errors(train_lm, capsys):
         train_lm.parse_args(["--device", "cpu", "--check", "--resume", "somewhere"])
 
 
+def test_precision_argument(train_lm, capsys):
+    args = train_lm.parse_args(["--device", "cpu"])
+    assert args.precision == "bf16" and train_lm.run_precision(args, "mok") == "bf16"
+    args = train_lm.parse_args(["--device", "cuda", "--precision", "fp8"])  # parsing needs no GPU
+    assert train_lm.run_precision(args, "mok") == "fp8_block" and train_lm.run_precision(args, "torch") == "bf16"
+    assert train_lm.parse_args(["--device", "cuda", "--precision", "fp8", "--check"]).precision == "fp8"
+    for argv, message in (
+            (["--device", "cpu", "--precision", "fp8"], "runs mok's FP8 kernels: it needs --device cuda"),
+            (["--device", "cuda", "--precision", "fp8", "--engine", "torch"], "use it with --engine mok"),
+            (["--device", "cuda", "--precision", "fp16"], "invalid choice: 'fp16'")):
+        with pytest.raises(SystemExit) as e:
+            train_lm.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_precision_reaches_the_layers(train_lm):
+    args = train_lm.parse_args(["--device", "cpu"])
+    cfg = train_lm.model_config(args, train_lm.Dist())
+    for precision, name in (("bf16", "bf16"), ("fp8", "fp8_block")):
+        m = train_lm.MoELM(cfg, "mok", precision=precision)
+        assert {b.moe.spec.config.precision for b in m.blocks} == {name}
+
+
+def test_check_json_records_the_precision(check_run):
+    tmp, out = check_run
+    assert "mok precision bf16" in out
+    run = json.loads((tmp / "out" / "train_lm.json").read_text())
+    assert run["args"]["precision"] == "bf16" and run["results"][0]["precision"] == "bf16"
+    assert {r["precision"] for r in run["runs"].values()} == {"bf16"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (mok's kernels)")
+def test_fp8_run_on_one_gpu(tmp_path):
+    out = run_script("--device", "cuda", "--precision", "fp8", "--steps", "20", "--val-every", "10", "--out-dir",
+                     str(tmp_path), "--no-tqdm", "--no-plot", timeout=600)
+    run = json.loads((tmp_path / "train_lm.json").read_text())
+    assert run["results"][0]["precision"] == "fp8_block" and run["runs"]["mok"]["precision"] == "fp8_block"
+    losses = run["runs"]["mok"]["loss"]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (mok's kernels)")
 def test_check_on_one_gpu(tmp_path):

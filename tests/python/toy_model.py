@@ -42,11 +42,12 @@ CPU_SIZE = ToySize(tokens=64, hidden=128, intermediate=64, experts=4, topk=2, sh
 class Block(nn.Module):
     """Pre-norm residual MoE block: h + MoE(norm(h)) with a softmax top-k router."""
 
-    def __init__(self, s: ToySize):
+    def __init__(self, s: ToySize, precision: str = "bf16"):
         super().__init__()
         self.norm = nn.RMSNorm(s.hidden)
         self.router = mok.torch.TopKRouter(s.hidden, s.experts, s.topk, aux_loss_coeff=0.01)
-        self.moe = mok.torch.MoE(s.hidden, s.intermediate, s.experts, s.topk, s.shared, init_std=0.1)
+        self.moe = mok.torch.MoE(s.hidden, s.intermediate, s.experts, s.topk, s.shared, init_std=0.1,
+                                 precision=precision)
 
     def forward(self, h):
         x = self.norm(h.float()).to(torch.bfloat16)
@@ -55,9 +56,9 @@ class Block(nn.Module):
 
 
 class ToyModel(nn.Module):
-    def __init__(self, s: ToySize):
+    def __init__(self, s: ToySize, precision: str = "bf16"):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.blocks = nn.ModuleList(Block(s, precision) for _ in range(s.layers))
 
     def forward(self, x):
         for b in self.blocks:
@@ -80,13 +81,14 @@ def _loss(model, x, target):
 
 
 def train(mode: str, steps: int, device="cuda", size: ToySize | None = None, seed: int = 0, lr: float = 0.5,
-          batches: int = 2) -> list[float]:
-    """The losses of ``steps`` SGD steps of a fresh model (``seed``) in ``mode`` (one of MODES)."""
+          batches: int = 2, precision: str = "bf16") -> list[float]:
+    """The losses of ``steps`` SGD steps of a fresh model (``seed``) in ``mode`` (one of MODES); ``precision``: the
+    MoE layers' (mok.PRECISIONS, or "fp8")."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     size = size or ToySize()
     torch.manual_seed(seed)
-    model = ToyModel(size).to(device)
+    model = ToyModel(size, precision).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     data = make_data(size, batches, device)
     fwd = torch.compile(model, fullgraph=True) if "compile" in mode else model
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--precision", default="bf16", help="the MoE layers': bf16 or fp8")
     a = p.parse_args(argv)
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
     ok = True
     results = {}
     for mode in modes:
-        runs = [train(mode, a.steps, a.device, size) for _ in range(2)]
+        runs = [train(mode, a.steps, a.device, size, precision=a.precision) for _ in range(2)]
         results[mode] = runs[0]
         same = runs[0] == runs[1]
         falls = runs[0][-1] < runs[0][0]

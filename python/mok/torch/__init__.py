@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (first: libmok then shares torch's CUDA runtime and NCCL)
 
 from . import _ops, hf  # noqa: F401  (registers the ops)
-from ._runtime import check, get_checks, memory_stats, release, set_checks
+from ._runtime import check, get_checks, mark_fp8_weights_stale, memory_stats, release, set_checks
 from .functional import LOCAL, layer_spec, moe_experts
 from .hf import HFExperts
 from .modules import MoE, TopKRouter
@@ -31,5 +31,6 @@ __all__ = [
     "get_checks",
     "release",
     "memory_stats",
+    "mark_fp8_weights_stale",
     "hf",
 ]

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from mok.errors import invalid_argument
+from mok.errors import MokNotImplemented, invalid_argument
 
 from . import _reference, _runtime
 from ._checks import check_forward_args, check_grad_buffers, check_routing_values, check_tensor, describe
@@ -46,9 +46,14 @@ def _context_bytes(s: LayerSpec, x: Tensor, keep: int):
 
 
 def _cpu_only_local(s: LayerSpec, x: Tensor) -> None:
+    """The CPU path's limits: EP 1, bf16 GEMMs."""
     if s.ep != 1:
         raise invalid_argument("x", f"a CUDA tensor (the layer's EP group has {s.ep} ranks; the CPU path is EP 1)",
                                describe(x))
+    if s.config.precision != "bf16":
+        raise MokNotImplemented(
+            f"precision {s.config.precision!r}: the CPU path computes the bf16 layer only (docs/numerics.md); run the "
+            f"layer on CUDA tensors (mok's FP8 kernels), or with precision 'bf16' on the CPU")
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=())

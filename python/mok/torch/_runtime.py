@@ -1,5 +1,5 @@
-"""The GPU side of mok.torch: NCCL communicators, the workspace cache, each forward's context,
-and the error-check policy (docs/python.md).
+"""The GPU side of mok.torch: NCCL communicators, the workspace cache, each forward's context, the FP8
+weight copies, and the error-check policy (docs/python.md).
 
 Nothing here is traced by torch.compile: it runs inside the real (CUDA) implementations of the
 custom ops, on real tensors, every time a compiled graph calls them.
@@ -151,6 +151,9 @@ class Workspace:
                   self.comm.handle, device, ctypes.byref(handle))
         self.handle = handle
         self._context_bytes: dict[int, int] = {}
+        self._fp8_bytes: int | None = None
+        # FP8 specs: each layer's weight copies on this workspace, keyed on its weights' addresses
+        self.fp8_weights: dict[tuple, Fp8Weights] = {}
 
     def device_bytes(self) -> int:
         out = ctypes.c_uint64()
@@ -163,6 +166,11 @@ class Workspace:
             n = self._context_bytes[keep] = mok.context_bytes(self.shape, self.spec.config, keep)
         return n
 
+    def fp8_weights_bytes(self) -> int:
+        if self._fp8_bytes is None:
+            self._fp8_bytes = mok.fp8_weights_bytes(self.shape)
+        return self._fp8_bytes
+
     def check(self) -> None:
         """Waits for the workspace's last stream and raises its device-side error, if any."""
         try:
@@ -172,6 +180,11 @@ class Workspace:
             raise
 
     def destroy(self) -> None:
+        with _lock:
+            copies = list(self.fp8_weights.values())
+            self.fp8_weights.clear()
+        for c in copies:  # they belong to the workspace: gone before it
+            c.destroy()
         if self.handle:
             _lib.call("mok_workspace_destroy", self.handle)
             self.handle = ctypes.c_void_p()
@@ -255,6 +268,92 @@ def drop_context(memory: torch.Tensor) -> None:
     except MokError:
         return
     _destroy_context(handle)
+
+
+# ---- FP8 weight copies: one per layer of an FP8 spec and workspace ------------------------------------------
+
+fp8_update_count = 0  # mok_fp8_weights_update calls made by this process (enqueued or captured): for tests, logs
+
+
+class Fp8Weights:
+    """One layer's FP8 weight copies (mok_fp8_weights_t) over a torch uint8 tensor, and the state of the weights
+    they were last quantized from (docs/python.md, "FP8")."""
+
+    def __init__(self, ws: Workspace, device: torch.device):
+        n = ws.fp8_weights_bytes()
+        self.memory = empty_unfilled(n, dtype=torch.uint8, device=device)  # the update writes every byte
+        if self.memory.data_ptr() % 256:  # torch's caching allocator hands out 512-byte aligned blocks
+            raise MokError(f"mok: the FP8 weight copies need 256-byte aligned memory; torch gave "
+                           f"0x{self.memory.data_ptr():x}")
+        handle = ctypes.c_void_p()
+        _lib.call("mok_fp8_weights_create_in", ws.handle, ctypes.c_void_p(self.memory.data_ptr()), n,
+                  ctypes.byref(handle))
+        self.handle = handle
+        self.versions: tuple | None = None  # the weights' _version at the last eager update; None: quantize next use
+        self.captured = False  # a captured graph quantizes into these copies on replay
+
+    def destroy(self) -> None:
+        if self.handle:
+            _lib.call("mok_fp8_weights_destroy", self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+def _version(t: torch.Tensor | None):
+    """t's version counter; an inference tensor has none: a value equal to nothing, so it is quantized every call."""
+    if t is None:
+        return -1
+    return object() if t.is_inference() else t._version
+
+
+def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream: ctypes.c_void_p,
+                    forward: bool) -> ctypes.c_void_p:
+    """The handle of the layer's FP8 copies on ``ws``, current for ``weights`` once ``stream`` gets there.
+
+    Eager calls quantize when the copies are new or a weight's address or version counter (``_version``, bumped by
+    every in-place write torch sees: optimizer steps, copy_, load_state_dict) moved since the last quantization.
+    A forward being captured into a CUDA graph always enqueues the quantization (stream-ordered before the pass):
+    the replays then re-quantize whatever the weights hold by then, since a replayed optimizer step moves no
+    version counter; for the same reason every eager forward re-quantizes copies that a graph also writes. A
+    backward quantizes only when its forward did not leave the copies current."""
+    global fp8_update_count
+    ptrs = tuple(_ptr(t) for t in weights)
+    versions = tuple(_version(t) for t in weights)
+    capture = capturing()
+    stale = []
+    with _lock:
+        entry = ws.fp8_weights.get(ptrs)
+        if entry is None:
+            if capture:
+                raise MokError(
+                    "mok: no FP8 weight copies yet for this layer's weights, and none are made while a CUDA graph is "
+                    "being captured. Run the step once before capturing it (the usual warm-up)")
+            # Another layer's copies under this gate address: its weights were freed and the memory reused.
+            stale = [ws.fp8_weights.pop(k) for k in [k for k in ws.fp8_weights if k[0] == ptrs[0]]]
+            entry = ws.fp8_weights[ptrs] = Fp8Weights(ws, torch.device("cuda", ws.device))
+    for old in stale:
+        old.destroy()
+    if capture:
+        update = forward or (not entry.captured and entry.versions != versions)
+    else:
+        update = entry.versions != versions or (forward and entry.captured)
+    if update:
+        _lib.call("mok_fp8_weights_update", entry.handle, ctypes.byref(w), stream)
+        fp8_update_count += 1
+        if capture:
+            entry.captured, entry.versions = True, None  # not run yet: the first eager call after it quantizes
+        else:
+            entry.versions = versions
+    return entry.handle
+
+
+def mark_fp8_weights_stale() -> None:
+    """The next call of every FP8 layer re-quantizes its weights. Needed only after a weight changed in a way
+    torch's version counter does not see: writes through ``param.data``, or by a library into the parameter's
+    memory (docs/python.md, "FP8")."""
+    with _lock:
+        for ws in _workspaces.values():
+            for entry in ws.fp8_weights.values():
+                entry.versions = None
 
 
 # ---- checks across ranks ---------------------------------------------------------------------------------
@@ -346,6 +445,8 @@ def forward(spec: LayerSpec, x, topk_idx, topk_weights, weights: list, keep: int
         handle = register_context(ws, ctx, keep)
     w = weights_c(spec, *weights)
     try:
+        if spec.fp8:
+            w.fp8 = fp8_weights_for(ws, weights, w, stream, forward=True)
         _lib.call("mok_forward", ws.handle, handle, ctypes.c_void_p(x.data_ptr()),
                   ctypes.c_void_p(topk_weights.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.byref(w),
                   1 if keep == KEEP_ACTIVATIONS else 0, stream)
@@ -373,11 +474,14 @@ def backward(spec: LayerSpec, ctx, x, topk_weights, dy, weights: list, buffers: 
     dx = empty_unfilled(x.shape, dtype=x.dtype, device=dev)
     w = weights_c(spec, *weights)
     g = grads_c(spec, buffers, accumulate, fused=weights[1] is None)
+    stream = _stream(dev)
     try:
+        if spec.fp8:  # the dgrad GEMMs read the transposed copies; a recompute (keep 1) the forward ones
+            w.fp8 = fp8_weights_for(ws, weights, w, stream, forward=False)
         _lib.call("mok_backward", ws.handle, handle, ctypes.c_void_p(x.data_ptr()),
                   ctypes.c_void_p(topk_weights.data_ptr()), ctypes.c_void_p(dy.data_ptr()),
                   ctypes.c_void_p(dx.data_ptr()), ctypes.c_void_p(dtw.data_ptr()), ctypes.byref(w), ctypes.byref(g), 0,
-                  _stream(dev))
+                  stream)
     finally:
         _destroy_context(handle)
     if _checking():
@@ -420,6 +524,11 @@ def release() -> None:
 
 
 def memory_stats() -> dict:
-    """Device bytes of mok's workspaces and the number of pending contexts (for logs and tests)."""
-    return {"workspaces": len(_workspaces), "workspace_bytes": sum(ws.device_bytes() for ws in workspaces()),
-            "pending_contexts": len(_contexts)}
+    """Device bytes of mok's workspaces, the number of pending contexts, and the FP8 layers' weight copies (their
+    number and bytes; torch allocated them, so torch.cuda.memory_allocated counts them too): for logs and tests."""
+    spaces = workspaces()
+    with _lock:
+        copies = [c for ws in spaces for c in ws.fp8_weights.values()]
+    return {"workspaces": len(spaces), "workspace_bytes": sum(ws.device_bytes() for ws in spaces),
+            "pending_contexts": len(_contexts), "fp8_weight_copies": len(copies),
+            "fp8_weight_bytes": sum(c.memory.numel() for c in copies)}

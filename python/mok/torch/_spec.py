@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mok
 from mok.errors import invalid_argument
 
-_VERSION = "mok1"
+_VERSION = "mok2"  # the key's layout; bumped when it changes (mok2: the precision knobs)
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(mok.Config)]
 
 
@@ -33,6 +33,11 @@ class LayerSpec:
     @property
     def local_experts(self) -> int:
         return self.experts // self.ep
+
+    @property
+    def fp8(self) -> bool:
+        """The expert GEMMs run in FP8 (precision "fp8_block"): the layer keeps FP8 copies of its weights."""
+        return self.config.precision == "fp8_block"
 
     def key(self) -> str:
         cfg = ",".join(repr(getattr(self.config, n)) for n in _CONFIG_FIELDS)
@@ -66,10 +71,13 @@ def make_spec(hidden: int, intermediate: int, shared_intermediate: int, experts:
     return spec
 
 
-def _number(text: str) -> int | float | str:
-    """One config value of a key: an int, a float or a quoted name (the engines)."""
+def _number(text: str) -> int | float | str | bool:
+    """One config value of a key: an int, a float, a bool (fp8_weight_grads) or a quoted name (the engines, the
+    precision)."""
     if len(text) >= 2 and text[0] == text[-1] == "'":
         return text[1:-1]
+    if text in ("True", "False"):
+        return text == "True"
     try:
         return int(text)
     except ValueError:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import mok
+from mok.config import precision_name
 from mok.errors import invalid_argument
 
 from .functional import apply, resolve_ep_group
@@ -74,15 +76,24 @@ class MoE(ExpertParameters):
     ep_group: None (the world group when torch.distributed is initialised, else this GPU alone),
     ``mok.torch.LOCAL``, or a ProcessGroup (NCCL backend). recompute: keep only the routing table; the
     backward recomputes the activations (the same bits, less memory).
+
+    precision: the expert GEMMs' arithmetic, "bf16" or "fp8_block" ("fp8" for short: DeepSeek-V3's
+    block-scaled FP8, docs/fp8.md; parameters, inputs, outputs and gradients stay bf16 / fp32); None takes
+    ``config.precision`` (default "bf16"). fp8_weight_grads: with FP8, the weight-gradient GEMMs in FP8
+    (True, libmok's default) or bf16; None takes ``config.fp8_weight_grads``. Either may also be set in
+    ``config``; set in both, they must agree. An FP8 layer keeps FP8 copies of its weights on the GPU,
+    re-quantized when a weight changes (docs/python.md, "FP8").
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, topk: int, shared_intermediate: int = 0,
                  ep_group=None, config: mok.Config | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                 device=None, recompute: bool = False, init_std: float = 0.02):
+                 device=None, recompute: bool = False, init_std: float = 0.02, precision: str | None = None,
+                 fp8_weight_grads: bool | None = None):
         super().__init__()
         if dtype != torch.bfloat16:
             raise invalid_argument("dtype", "torch.bfloat16 (mok's experts compute in bf16)", dtype)
         group, ep = resolve_ep_group(ep_group)
+        config = with_precision(config, precision, fp8_weight_grads)
         self.spec = make_spec(hidden, intermediate, shared_intermediate, num_experts, topk, ep, group, config)
         self._spec_key = self.spec.key()
         self.recompute = recompute
@@ -95,7 +106,26 @@ class MoE(ExpertParameters):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts} "
                 f"(local {self.local_experts}), topk={self.topk}, shared_intermediate={self.shared_intermediate}, "
-                f"ep={self.ep}, recompute={self.recompute}")
+                f"ep={self.ep}, recompute={self.recompute}, precision={self.spec.config.precision}")
+
+
+def with_precision(config: mok.Config | None, precision: str | None, fp8_weight_grads: bool | None) -> mok.Config:
+    """``config`` with the module arguments ``precision`` and ``fp8_weight_grads`` filled in (validated as
+    mok.Config validates them). One set both here and in ``config`` must agree."""
+    config = config or mok.Config()
+    if precision is not None:
+        precision = precision_name(precision, "precision")
+    if fp8_weight_grads is not None and not isinstance(fp8_weight_grads, bool):
+        raise invalid_argument("fp8_weight_grads", "None, True or False", repr(fp8_weight_grads))
+    for name, value in (("precision", precision), ("fp8_weight_grads", fp8_weight_grads)):
+        inside = getattr(config, name)
+        if value is None:
+            continue
+        if inside is not None and inside != value:
+            raise invalid_argument(name, f"None or config.{name} ({inside!r}): set in both, they must agree",
+                                   repr(value))
+        config = dataclasses.replace(config, **{name: value})
+    return config
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -1,0 +1,279 @@
+// The FP8 layer (Config::precision kFp8Block, docs/fp8.md "The FP8 layer") on the GPU against the FP8
+// CPU reference (ref::forward_fp8 / backward_fp8): every output and gradient within 2e-3 relative
+// norm (the engines differ only in the order of the sum inside each 128-wide K block), and
+// D1-D3 bit for bit. Outputs are poisoned before each pass (test_layer_run.cuh).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "test_layer_run.cuh"
+
+namespace mok::test {
+namespace {
+
+constexpr double kTol = 2e-3;
+
+Config fp8_config(const LayerShape& s, bool fp8_wgrad = true) {
+  Config c = bwd_config(s);
+  c.precision = Precision::kFp8Block;
+  c.fp8_weight_grads = fp8_wgrad;
+  return c;
+}
+
+void expect_matches_fp8_reference(const std::string& name, const Problem& p,
+                                   const std::vector<std::vector<uint16_t>>& dy, const std::vector<RankGrads>& got,
+                                   bool fp8_wgrad) {
+  const LayerShape& s = p.shape;
+  const Config cfg = fp8_config(s, fp8_wgrad);
+  ref::Fp8Recipe recipe;
+  recipe.fp8_wgrad = fp8_wgrad;
+  const ref::ForwardResult fwd = ref::forward_fp8(s, cfg, p.weights, p.inputs, recipe);
+  const ref::Gradients expect = ref::backward_fp8(s, cfg, p.weights, p.inputs, dy, &fwd.ctx, recipe);
+  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
+  for (int r = 0; r < s.ep; ++r) {
+    const RankGrads& g = got[r];
+    const std::string at = name + " rank " + std::to_string(r);
+    EXPECT_LT(rel_norm_bits(g.y, fwd.y[r]), kTol) << at << " y";
+    EXPECT_LT(rel_norm_bits(g.dx, expect.dx[r]), kTol) << at << " dx";
+    EXPECT_LT(rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()), kTol) << at << " dtopk_w";
+    const size_t first = r * el * per;
+    EXPECT_LT(rel_norm_f(g.dgate, expect.dgate.data() + first, el * per), kTol) << at << " dW_gate";
+    EXPECT_LT(rel_norm_f(g.dup, expect.dup.data() + first, el * per), kTol) << at << " dW_up";
+    EXPECT_LT(rel_norm_f(g.ddown, expect.ddown.data() + first, el * per), kTol) << at << " dW_down";
+    if (s.has_shared()) {
+      const size_t n = size_t(s.shared_intermediate) * s.hidden;
+      EXPECT_LT(rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), n), kTol) << at << " shared dW_gate";
+      EXPECT_LT(rel_norm_f(g.sdup, expect.shared_dup[r].data(), n), kTol) << at << " shared dW_up";
+      EXPECT_LT(rel_norm_f(g.sddown, expect.shared_ddown[r].data(), n), kTol) << at << " shared dW_down";
+    }
+  }
+}
+
+// Every case of the backward tests (T not a multiple of 128, H = 2880 with a partial 128-block,
+// I = 192, empty experts, skew, top-1 and top-8, shared expert on and off), EP 1 and 2, both
+// gradient modes, the weights through a cache or quantized per call.
+class Fp8LayerVsReference : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(Fp8LayerVsReference, MatchesWithinToleranceAndRepeatsBitwise) {
+  const auto [ep, which, mode] = GetParam();
+  MOK_REQUIRE_RANKS(ep);
+  const BwdCase& c = bwd_cases()[which];
+  const LayerShape s = with_ep(c.shape, ep);
+  const Problem p = make_problem(s, c.pattern, 15000 + which * 10 + ep);
+  const auto dy = make_dy(s, 1077 + which);
+  RunOptions ro;
+  ro.mode = mode == 0 ? GradMode::kAccumulateFp32 : GradMode::kWriteBf16;
+  ro.repeats = 2;
+  ro.fp8_cache = which % 2 == 0;
+  const auto got = run_backward(p, dy, fp8_config(s), ro);
+  expect_matches_fp8_reference(c.name, p, dy, got[0], true);
+  expect_same_bits(got[1], got[0], std::string(c.name) + " D1");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8LayerVsReference,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Range(0, 6), ::testing::Values(0, 1)),
+                         [](const auto& info) {
+                           return std::string(bwd_cases()[std::get<1>(info.param)].name) + "_ep" +
+                                  std::to_string(std::get<0>(info.param)) +
+                                  (std::get<2>(info.param) == 0 ? "_fp32acc" : "_bf16");
+                         });
+
+// Config::fp8_weight_grads false: the weight gradients in bf16 over the FP8 pass's dg, du, hs.
+TEST(Fp8Layer, Bf16WeightGradsMatchTheReference) {
+  MOK_REQUIRE_RANKS(1);
+  for (int which : {0, 2}) {
+    const BwdCase& c = bwd_cases()[which];
+    const LayerShape s = with_ep(c.shape, 1);
+    const Problem p = make_problem(s, c.pattern, 16000 + which);
+    const auto dy = make_dy(s, 1600 + which);
+    const auto got = run_backward(p, dy, fp8_config(s, false), {});
+    expect_matches_fp8_reference(std::string(c.name) + " bf16 wgrad", p, dy, got[0], false);
+  }
+}
+
+// The cache and the per-call quantization give the same bits; so do the Hugging Face layout
+// (expert strides), a routing-only context, an explicit recompute and the deferred weight gradients.
+TEST(Fp8Layer, CacheStridesRecomputeAndDeferralGiveTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  for (int ep : {1, 2}) {
+    if (!can_run_ep(ep)) continue;
+    const BwdCase& c = bwd_cases()[0];
+    const LayerShape s = with_ep(c.shape, ep);
+    const Problem p = make_problem(s, c.pattern, 16100 + ep);
+    const auto dy = make_dy(s, 16200 + ep);
+    const auto want = run_backward(p, dy, fp8_config(s), {});
+    const std::string at = "ep " + std::to_string(ep);
+    RunOptions cache;
+    cache.fp8_cache = true;
+    expect_same_bits(run_backward(p, dy, fp8_config(s), cache)[0], want[0], at + " cache");
+    RunOptions strided;
+    strided.strided_experts = true;
+    strided.fp8_cache = true;
+    expect_same_bits(run_backward(p, dy, fp8_config(s), strided)[0], want[0], at + " expert strides");
+    RunOptions routing_only;
+    routing_only.keep = Context::Keep::kRoutingOnly;
+    expect_same_bits(run_backward(p, dy, fp8_config(s), routing_only)[0], want[0], at + " routing-only context");
+    RunOptions recompute;
+    recompute.save_activations = false;
+    recompute.recompute_call = true;
+    expect_same_bits(run_backward(p, dy, fp8_config(s), recompute)[0], want[0], at + " recompute");
+    RunOptions defer;
+    defer.defer = true;
+    expect_same_bits(run_backward(p, dy, fp8_config(s), defer)[0], want[0], at + " deferred weight gradients");
+    const Problem second = make_problem(s, Pattern::kUniform, 16300 + ep);
+    RunOptions two;
+    two.second = &second;
+    expect_same_bits(run_backward(p, dy, fp8_config(s), two)[0], want[0], at + " a second layer in between");
+  }
+}
+
+// D3 in FP8: the same global batch over ep 1, 2, 4, 8 gives the same y, dx, d topk_w and routed
+// weight gradients.
+TEST(Fp8Layer, D3EpSplitGivesTheSameBits) {
+  MOK_REQUIRE_RANKS(1);
+  const LayerShape s8 = with_ep(LayerShape{512, 320, 192, 64, 16, 4, 1}, 8);
+  const Problem p8 = make_problem(s8, Pattern::kUniform, 16400);
+  std::vector<uint16_t> dy_all;
+  for (const auto& v : make_dy(s8, 16401)) dy_all.insert(dy_all.end(), v.begin(), v.end());
+  RankGrads one;
+  for (int ep : {1, 2, 4, 8}) {
+    if (!can_run_ep(ep)) continue;
+    const Problem p = resplit(p8, ep);
+    const LayerShape& s = p.shape;
+    std::vector<std::vector<uint16_t>> dy(ep);
+    const size_t per = size_t(s.tokens) * s.hidden;
+    for (int r = 0; r < ep; ++r) dy[r].assign(dy_all.begin() + r * per, dy_all.begin() + (r + 1) * per);
+    const auto got = run_backward(p, dy, fp8_config(s), {});
+    RankGrads all;
+    for (int r = 0; r < ep; ++r) {
+      const RankGrads& g = got[0][r];
+      all.y.insert(all.y.end(), g.y.begin(), g.y.end());
+      all.dx.insert(all.dx.end(), g.dx.begin(), g.dx.end());
+      all.dtopk_w.insert(all.dtopk_w.end(), g.dtopk_w.begin(), g.dtopk_w.end());
+      all.dgate.insert(all.dgate.end(), g.dgate.begin(), g.dgate.end());
+      all.dup.insert(all.dup.end(), g.dup.begin(), g.dup.end());
+      all.ddown.insert(all.ddown.end(), g.ddown.begin(), g.ddown.end());
+    }
+    if (ep == 1) {
+      one = all;
+      continue;
+    }
+    EXPECT_EQ(all.y, one.y) << "y, ep " << ep;
+    EXPECT_EQ(all.dx, one.dx) << "dx, ep " << ep;
+    EXPECT_TRUE(same_f32(all.dtopk_w, one.dtopk_w)) << "d topk_w, ep " << ep;
+    EXPECT_TRUE(same_f32(all.dgate, one.dgate)) << "dW_gate, ep " << ep;
+    EXPECT_TRUE(same_f32(all.dup, one.dup)) << "dW_up, ep " << ep;
+    EXPECT_TRUE(same_f32(all.ddown, one.ddown)) << "dW_down, ep " << ep;
+  }
+}
+
+// A non-finite value in a tensor FP8 quantizes: check() names it, the pass's outputs are NaN, and
+// the workspace recovers (the next clean pass gives the clean bits).
+TEST(Fp8Layer, NonFiniteInputsAreNamedErrorsAndTheWorkspaceRecovers) {
+  MOK_REQUIRE_RANKS(1);
+  const BwdCase& c = bwd_cases()[0];
+  const LayerShape s = with_ep(c.shape, 1);
+  const Problem p = make_problem(s, c.pattern, 16500);
+  const auto dy = make_dy(s, 16501);
+  RunOptions write_bf16;
+  write_bf16.mode = GradMode::kWriteBf16;
+  const RankGrads clean = run_backward(p, dy, fp8_config(s), write_bf16)[0][0];
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    RankData d = upload_rank(p, r.rank);
+    comm::DeviceBuffer<bf16> ddy = upload_bf16(dy[0].data(), dy[0].size());
+    comm::DeviceBuffer<bf16> dx(size_t(s.tokens) * s.hidden);
+    comm::DeviceBuffer<float> dtopk(size_t(s.tokens) * s.topk);
+    std::vector<uint16_t> bad_x = p.inputs.x[0];
+    bad_x[7 * s.hidden + 3] = 0x7FC0;  // NaN
+    comm::DeviceBuffer<bf16> dbad_x = upload_bf16(bad_x.data(), bad_x.size());
+    std::vector<uint16_t> bad_dy = dy[0];
+    bad_dy[2 * s.hidden + 1] = 0x7F80;  // +inf
+    comm::DeviceBuffer<bf16> dbad_dy = upload_bf16(bad_dy.data(), bad_dy.size());
+    std::vector<uint16_t> bad_gate = p.weights.gate;
+    bad_gate[s.hidden + 5] = 0xFF80;  // -inf in expert 0, row 1
+    comm::DeviceBuffer<bf16> dbad_gate = upload_bf16(bad_gate.data(), bad_gate.size());
+    cudaStream_t st = rank_stream();
+    auto ws = create_workspace(s, fp8_config(s), r);
+    GradBuffers gb(s, GradMode::kWriteBf16);
+    auto expect_error = [&](const char* needle) {
+      try {
+        ws->check();
+        ADD_FAILURE() << "expected kInvalidArgument naming " << needle;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.status(), Status::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+    };
+    auto all_nan = [](const std::vector<uint16_t>& v) {
+      for (uint16_t b : v)
+        if (!std::isnan(ref::from_bf16(b))) return false;
+      return true;
+    };
+    ExpertWeights ew = d.weights();
+    // x: the forward's y is NaN, check() names x.
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{dbad_x.get(), d.w.get(), d.y.get()}, ew, st);
+    expect_error("non-finite value in x");
+    EXPECT_TRUE(all_nan(get_bits(d.y.get(), d.y.size()))) << "y after a NaN in x";
+    // dy: dx and d topk_w are NaN, check() names dy.
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, st);
+    ws->check();
+    backward(*ws, BackwardArgs{d.x.get(), d.w.get(), dbad_dy.get(), dx.get(), dtopk.get()}, ew, gb.grads(), st);
+    expect_error("non-finite value in dy");
+    EXPECT_TRUE(all_nan(get_bits(dx.get(), dx.size()))) << "dx after an infinite dy";
+    // A weight, through a cache: check() names the matrix; every pass reading the cache is NaN
+    // until it is updated with finite weights.
+    auto cache = Fp8WeightCache::create(*ws, st);
+    ExpertWeights bad = ew;
+    bad.gate = dbad_gate.get();
+    cache->update(bad, st);
+    ExpertWeights cached = ew;
+    cached.fp8 = cache.get();
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, cached, st);
+    expect_error("ExpertWeights.gate");
+    EXPECT_TRUE(all_nan(get_bits(d.y.get(), d.y.size()))) << "y after an infinite weight";
+    // Recovery: a clean pass (cache updated) gives the clean bits.
+    cache->update(ew, st);
+    gb.poison(st);
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, cached, st);
+    backward(*ws, BackwardArgs{d.x.get(), d.w.get(), ddy.get(), dx.get(), dtopk.get()}, cached, gb.grads(), st);
+    ws->check();
+    EXPECT_TRUE(same_grads(read_pass(d, dx, dtopk, gb), clean)) << "a clean pass after the errors";
+  });
+}
+
+TEST(Fp8Layer, MisusedCachesGetClearErrors) {
+  MOK_REQUIRE_RANKS(1);
+  const LayerShape s = with_ep(bwd_cases()[1].shape, 1);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    cudaStream_t st = rank_stream();
+    auto bf16_ws = create_workspace(s, bwd_config(s), r);
+    try {
+      Fp8WeightCache::create(*bf16_ws, st);
+      ADD_FAILURE() << "a cache of a bf16 workspace";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("fp8_block"), std::string::npos) << e.what();
+    }
+    auto ws = create_workspace(s, fp8_config(s), r);
+    const Problem p = make_problem(s, Pattern::kUniform, 16600);
+    RankData d = upload_rank(p, r.rank);
+    auto never_updated = Fp8WeightCache::create(*ws, st);
+    ExpertWeights ew = d.weights();
+    ew.fp8 = never_updated.get();
+    schedule(*ws, d.idx.get(), st);
+    try {
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, st);
+      ADD_FAILURE() << "a cache never updated";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ExpertWeights.fp8"), std::string::npos) << e.what();
+    }
+    EXPECT_GE(Fp8WeightCache::bytes(s), size_t(2 * 3 * s.local_experts() * s.intermediate * s.hidden));
+  });
+}
+
+}  // namespace
+}  // namespace mok::test
