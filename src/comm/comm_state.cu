@@ -35,6 +35,8 @@ CommState::CommState(const LayerShape& shape, const Config& config, std::unique_
   counters_ = DeviceBuffer<uint32_t>(schedule_->max_minibatches + schedule_->buffer_rows / kRowTile + 1);
   syncs_ = DeviceBuffer<GroupSync>(static_cast<size_t>(SyncSite::kCount));
   error_ = DeviceBuffer<DeviceErrorRecord>(1);
+  dispatch_bytes_ = DeviceBuffer<unsigned long long>(1);
+  MOK_CUDA_CHECK(cudaMemset(dispatch_bytes_.get(), 0, dispatch_bytes_.bytes()));
   MOK_CUDA_CHECK(cudaMemset(syncs_.get(), 0, syncs_.bytes()));
   MOK_CUDA_CHECK(cudaMemset(counters_.get(), 0, counters_.bytes()));
   const DeviceErrorRecord clean = clean_error_record();
@@ -93,6 +95,7 @@ DispatchRole CommState::dispatch_role(bool dedup, const ScheduleView& v) {
   r.dest_row = v.dest_row;
   r.tokens = shape_.tokens;
   r.topk = shape_.topk;
+  r.remote_bytes = count_dispatch_bytes_ ? dispatch_bytes_.get() : nullptr;
   return r;
 }
 
@@ -146,6 +149,14 @@ DispatchLaunch CommState::dispatch_launch(int ctas, bool dedup, const ScheduleVi
   l.counters = counters_.get();
   l.counter_words = counters_.size();
   return l;
+}
+
+uint64_t CommState::take_dispatch_bytes(cudaStream_t stream) {
+  unsigned long long n = 0;
+  MOK_CUDA_CHECK(cudaMemcpyAsync(&n, dispatch_bytes_.get(), sizeof(n), cudaMemcpyDeviceToHost, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(dispatch_bytes_.get(), 0, sizeof(n), stream));
+  MOK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return n;
 }
 
 void CommState::dispatch(int ctas, bool dedup, cudaStream_t stream) {

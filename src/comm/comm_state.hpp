@@ -137,6 +137,11 @@ class CommState {
   }
   DeviceErrorRecord* error_record() const { return error_.get(); }
   WaitContext wait_context() const;
+  // Accounting (tests, benchmarks): while on, every dispatch role made from this state adds the
+  // bytes of the rows it reads from other ranks' windows (DispatchRole::remote_bytes) to one
+  // device counter; take_dispatch_bytes synchronises `stream`, returns the count and zeroes it.
+  void count_dispatch_bytes(bool on) { count_dispatch_bytes_ = on; }
+  uint64_t take_dispatch_bytes(cudaStream_t stream);
 
  private:
   LayerShape shape_;
@@ -149,6 +154,8 @@ class CommState {
   DeviceBuffer<uint32_t> counters_;
   DeviceBuffer<GroupSync> syncs_;
   DeviceBuffer<DeviceErrorRecord> error_;
+  DeviceBuffer<unsigned long long> dispatch_bytes_;
+  bool count_dispatch_bytes_ = false;
   int64_t row_buffer_rows_ = 0;
 };
 

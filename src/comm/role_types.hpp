@@ -54,6 +54,9 @@ struct DispatchRole {
   // The fused forward at EP 1 sets it to ForwardArgs::x and skips the staging copy: no peer
   // reads the window there (the staged backward's pulls likewise to its x and dy). 16-byte aligned.
   const char* own_x = nullptr;
+  // Testing and accounting (CommState::count_dispatch_bytes): += row_bytes for every row read from
+  // another rank's window (a dedup dispatch reads a (token, rank) once). nullptr: not counted.
+  unsigned long long* remote_bytes = nullptr;
 };
 
 // Token `token` of rank `src` as the dispatch reads it: the owner's staged x in the window, or

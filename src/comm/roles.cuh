@@ -209,6 +209,13 @@ struct CtaGroup {
 
 // ---- dispatch ------------------------------------------------------------------------------
 
+// DispatchRole::remote_bytes: lane 0 counts one row read from another rank.
+__device__ __forceinline__ void count_remote_row(const DispatchRole& r, int src_rank, int lane) {
+  if (r.remote_bytes != nullptr && lane == 0 && src_rank != r.peers.rank) {
+    atomicAdd(r.remote_bytes, static_cast<unsigned long long>(r.row_bytes));
+  }
+}
+
 // The warp's rows of `tile` (plain pull: every row is loaded from its source rank's x, padding
 // rows zeroed). Row loops have compile-time bounds (guards inside), so that the standalone shape
 // (one row at a time) compiles to the original unrolled loop: a runtime bound cost the 16-warp
@@ -229,6 +236,7 @@ __device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const 
       } else {
         const char* src = dispatch_source(r, e.src_rank, e.token);
         warp_copy<V>(dst, reinterpret_cast<const int4*>(src), vecs, lane, StableLoad{});
+        count_remote_row(r, e.src_rank, lane);
       }
     }
   } else {
@@ -243,6 +251,7 @@ __device__ inline void dispatch_rows(const DispatchRole& r, int64_t tile, const 
           job[q].dst = reinterpret_cast<int4*>(r.row_buffer + (tile * kRowTile + in_tile) * r.row_bytes);
           if (e.src_rank >= 0) {  // padding rows stay nullptr: zeroed
             job[q].src = reinterpret_cast<const int4*>(dispatch_source(r, e.src_rank, e.token));
+            count_remote_row(r, e.src_rank, lane);
           }
         }
       }
@@ -317,6 +326,7 @@ __device__ inline FanRow fan_row(const DispatchRole& r, const RowEntry& e, int64
   } else {
     f.src = reinterpret_cast<const int4*>(dispatch_source(r, e.src_rank, e.token));
     if (lane < r.topk) f.dest = r.dest_row[(static_cast<int64_t>(e.src_rank) * r.tokens + e.token) * r.topk + lane];
+    count_remote_row(r, e.src_rank, lane);
   }
   f.mask = __ballot_sync(0xffffffffu, f.dest >= 0);
   return f;

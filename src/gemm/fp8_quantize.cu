@@ -93,7 +93,8 @@ struct RowsParams {
   uint8_t* codes;
   int64_t codes_ld;
   float* scales;
-  int64_t scales_ld;
+  int64_t scales_ld;         // between K blocks
+  int64_t scales_rs;         // between rows
   NonFiniteRecord* rec;
   int64_t blocks_per_row;
   const int64_t* rows_limit;
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsParam
     const int k = scale_exponent_bits(amax);
     const float inv = pow2_bits(-k);
     store_segment(p.codes + r * p.codes_ld + c0, n, lane, encode2(v[0], v[1], inv), encode2(v[2], v[3], inv));
-    if (lane == 0) p.scales[b * p.scales_ld + r] = pow2_bits(k);
+    if (lane == 0) p.scales[b * p.scales_ld + r * p.scales_rs] = pow2_bits(k);
   }
 }
 
@@ -346,14 +347,20 @@ void quantize_rows_1x128(const QuantizeRowsArgs& a, cudaStream_t stream) {
   check_record(a.nonfinite);
   const int64_t ld = resolve_ld("a.ld", a.ld, a.cols, a.cols, "cols", 1);
   const int64_t codes_ld = resolve_ld("a.codes_ld", a.codes_ld, a.cols, a.cols, "cols", 16);
-  const int64_t scales_ld = resolve_ld("a.scales_ld", a.scales_ld, a.rows, a.rows, "rows", 1);
+  const int64_t blocks_per_row = (a.cols + kBlock - 1) / kBlock;
+  if (a.scales_row_stride < 0 || (a.scales_row_stride > 0 && a.scales_row_stride < blocks_per_row)) {
+    throw_invalid("a.scales_row_stride", "0 (K-block major scales) or >= the blocks of a row = " + str(blocks_per_row),
+                  str(a.scales_row_stride));
+  }
+  const bool by_row = a.scales_row_stride > 0;
+  const int64_t scales_ld = by_row ? 1 : resolve_ld("a.scales_ld", a.scales_ld, a.rows, a.rows, "rows", 1);
   const bool work = a.rows > 0 && a.cols > 0;
   check_ptr("a.x", a.x, 2, work);
   check_ptr("a.codes", a.codes, 1, work);
   check_ptr("a.scales", a.scales, 4, work);
   if (!work) return;
   RowsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes, codes_ld, a.scales,
-               scales_ld, a.nonfinite, (a.cols + kBlock - 1) / kBlock, a.rows_limit};
+               scales_ld, by_row ? a.scales_row_stride : 1, a.nonfinite, blocks_per_row, a.rows_limit};
   const int64_t units = a.rows * p.blocks_per_row;
   quantize_rows_kernel<<<grid_for((units + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
   host::check_cuda(cudaGetLastError(), "quantize_rows_1x128 launch");

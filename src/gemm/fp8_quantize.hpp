@@ -47,6 +47,9 @@ struct QuantizeRowsArgs {
   // sized for the worst case): rows at or past min(rows, *rows_limit) are neither read nor
   // written; a negative value (a poisoned schedule) means none. nullptr: every row.
   const int64_t* rows_limit = nullptr;
+  // > 0: the scales row by row instead, scales[r * scales_row_stride + b] (scales_ld unused; >= the
+  // blocks of a row): the packed FP8 rows of the dispatch, each row's scales after its codes.
+  int64_t scales_row_stride = 0;
 };
 void quantize_rows_1x128(const QuantizeRowsArgs& a, cudaStream_t stream);
 

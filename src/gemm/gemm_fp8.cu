@@ -36,7 +36,9 @@ void check_record(const NonFiniteRecord* record) {
 template <class Operand>
 void map_rows(const Operand& op, int64_t rows, int64_t k, const std::string& name, CUtensorMap& codes,
               CUtensorMap& scales) {
-  codes = host::map_e4m3(op.codes, 0, rows, k, 128, 128, (name + ".codes").c_str());
+  int64_t ld = 0;
+  if constexpr (requires { op.ld; }) ld = op.ld;  // Fp8Rows may be strided; the transposed operands are dense
+  codes = host::map_e4m3(op.codes, 0, rows, k, 128, 128, (name + ".codes").c_str(), 0, ld);
   scales = host::map_f32_plain(op.scales, blocks_of(k), rows, 128, (name + ".scales").c_str());
 }
 

@@ -39,12 +39,13 @@ namespace {
 
 CUtensorMap map_2d_or_3d(CUtensorMapDataType type, int elem_bytes, const void* base, int64_t batch, int64_t rows,
                          int64_t cols, int box_cols, int box_rows, const char* what, int64_t batch_stride,
-                         CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
+                         CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B, int64_t ld = 0) {
   CUtensorMap map;
-  const int64_t stride = batch_stride > 0 ? batch_stride : rows * cols;
+  const int64_t row = ld > 0 ? ld : cols;  // elements from one row to the next
+  const int64_t stride = batch_stride > 0 ? batch_stride : rows * row;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(batch > 0 ? batch : 1)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * elem_bytes, static_cast<cuuint64_t>(stride) * elem_bytes};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row) * elem_bytes, static_cast<cuuint64_t>(stride) * elem_bytes};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const cuuint32_t rank = batch > 0 ? 3 : 2;
@@ -75,9 +76,13 @@ CUtensorMap map_f32(const void* base, int64_t batch, int64_t rows, int64_t cols,
 }
 
 CUtensorMap map_e4m3(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols, int box_rows,
-                     const char* what, int64_t batch_stride) {
+                     const char* what, int64_t batch_stride, int64_t ld) {
+  if (ld != 0 && (ld < cols || ld % 16 != 0)) {
+    throw_invalid(std::string(what) + " row stride", "0 (= " + std::to_string(cols) + " columns) or a multiple of 16 >= it",
+                  std::to_string(ld));
+  }
   return map_2d_or_3d(CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, base, batch, rows, cols, box_cols, box_rows, what,
-                      batch_stride);
+                      batch_stride, CU_TENSOR_MAP_SWIZZLE_128B, ld);
 }
 
 CUtensorMap map_f32_plain(const void* base, int64_t rows, int64_t cols, int box_cols, const char* what) {

@@ -23,8 +23,9 @@ CUtensorMap map_bf16(const void* base, int64_t batch, int64_t rows, int64_t cols
 CUtensorMap map_f32(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
                     int box_rows, const char* what, int64_t batch_stride = 0);
 // e4m3 codes (bytes) [batch,] rows, cols with the 128-byte swizzle (box_cols <= 128).
+// ld: bytes from one row to the next (0 = cols; a multiple of 16 >= cols).
 CUtensorMap map_e4m3(const void* base, int64_t batch, int64_t rows, int64_t cols, int box_cols,
-                     int box_rows, const char* what, int64_t batch_stride = 0);
+                     int box_rows, const char* what, int64_t batch_stride = 0, int64_t ld = 0);
 // fp32 [rows, cols] without swizzle, boxes of box_cols x 1 (the FP8 A scales: one K block's
 // row scales of a tile, contiguous).
 CUtensorMap map_f32_plain(const void* base, int64_t rows, int64_t cols, int box_cols, const char* what);

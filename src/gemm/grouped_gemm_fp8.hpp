@@ -19,6 +19,7 @@ namespace mok::gemm {
 struct Fp8Rows {
   const uint8_t* codes = nullptr;
   const float* scales = nullptr;
+  int64_t ld = 0;  // bytes from one row of codes to the next; 0 = k (dense), else a multiple of 16 >= k
 };
 
 // A weight stack quantized in 128x128 blocks: codes [E, n, k] (dense), scales

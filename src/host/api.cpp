@@ -66,6 +66,7 @@ Context::Impl& context_of(Workspace::Impl& impl, Context* ctx, const char* argum
 megakernel::Fp8Pass fp8_pass(Workspace::Impl& impl, const ExpertWeights& w, cudaStream_t stream) {
   megakernel::Fp8Pass pass;
   pass.fp8_wgrad = impl.config.fp8_weight_grads;
+  pass.dispatch_fp8 = impl.fp8_dispatch;
   if (w.fp8 != nullptr) {
     const Fp8WeightCache::Impl& cache = w.fp8->impl();
     if (cache.workspace_serial != impl.serial) {

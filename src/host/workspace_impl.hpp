@@ -67,6 +67,9 @@ struct Workspace::Impl {
   // Testing knob: the fused backward's weight gradients as its kernel's second phase (default) or
   // as launches after it (FusedBackwardOptions::wgrad_in_kernel, same bits).
   bool fused_wgrad_in_kernel = true;
+  // Testing knob: the FP8 forward dispatches x quantized (default) or in bf16, quantizing after it
+  // (Fp8Pass::dispatch_fp8; the same bits).
+  bool fp8_dispatch = true;
   // The fused path's undecided choices (FusedForwardOptions::join_gemm, epilogue_push,
   // fused_topk_sum; the comm CTAs, grid and timeout come from `config`). Defaults as there;
   // tests and benches set them to compare (same bits).

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "comm/cuda_check.hpp"
+#include "comm/roles.hpp"
 #include "megakernel/staged_backward.hpp"
 #include "megakernel/staged_forward.hpp"
 
@@ -60,6 +61,21 @@ gemm::Fp8Transposed quantize_transposed(const bf16* x, int64_t rows, int64_t col
 
 const int64_t* padded_rows(const comm::ScheduleView& v) { return &v.header->padded_rows; }
 
+// The scales of the dispatched packed rows (fp8_row_bytes each, scales after the H codes) into the
+// K-block major [blocks][buffer_rows] the GEMMs read, for the schedule's live rows. A padding row
+// (zeroed by the dispatch) gets scale 1, what the quantizer gives a zero row; a real row's scale is
+// a power of two, never 0.
+__global__ void unpack_scales(const comm::ScheduleHeader* header, const char* rows, int64_t row_bytes, int64_t hidden,
+                              int blocks, int64_t buffer_rows, float* scales) {
+  const int64_t live = header->status == 0 ? header->padded_rows : 0;
+  const int64_t n = live * blocks;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / blocks, b = i - r * blocks;
+    const float v = reinterpret_cast<const float*>(rows + r * row_bytes + hidden)[b];
+    scales[b * buffer_rows + r] = v == 0.0f ? 1.0f : v;
+  }
+}
+
 gemm::Segments shared_segments(ForwardBuffers& fwd) {
   return gemm::Segments{fwd.shared_offsets.get(), fwd.shared_rows_dev.get(), 1, fwd.shared_rows};
 }
@@ -68,7 +84,7 @@ gemm::Segments shared_segments(ForwardBuffers& fwd) {
 
 const char* fp8_tensor_name(int t) {
   static const char* const names[kFp8Tensors] = {
-      "x (a dispatched row of the routed buffer)", "h (a routed row)", "x (shared expert)", "h (shared expert)",
+      "x (a token's row; in a recompute, a row of the routed buffer)", "h (a routed row)", "x (shared expert)", "h (shared expert)",
       "dy (a pulled row of the routed buffer)", "dg or du (a routed row)", "hs (a routed row)",
       "dy (shared expert)", "dg or du (shared expert)", "hs (shared expert)",
       "ExpertWeights.gate (rows of the local experts stacked)", "ExpertWeights.up (rows of the local experts stacked)",
@@ -87,6 +103,36 @@ int64_t fp8_tensor_cols(int t, const LayerShape& s) {
     case kFp8WeightSharedDown: return s.shared_intermediate;
   }
   return 0;
+}
+
+int64_t fp8_row_bytes(int64_t hidden) { return (hidden + 4 * blocks128(hidden) + 15) / 16 * 16; }
+
+gemm::Fp8Rows fp8_dispatch(comm::CommState& state, ForwardBuffers& fwd, const bf16* x, int64_t tokens, int ctas,
+                           cudaStream_t stream) {
+  const LayerShape& s = state.shape();
+  const int64_t P = fp8_row_bytes(s.hidden), R = fwd.buffer_rows;
+  const comm::SymmetricLayout& layout = state.layout();
+  char* staging = state.window_local() + layout.dy;
+  gemm::QuantizeRowsArgs q;
+  q.x = x;
+  q.rows = tokens;
+  q.cols = s.hidden;
+  q.codes = reinterpret_cast<uint8_t*>(staging);
+  q.codes_ld = P;
+  q.scales = reinterpret_cast<float*>(staging + s.hidden);
+  q.scales_row_stride = P / 4;
+  q.nonfinite = fwd.fp8->records.get() + kFp8X;
+  gemm::quantize_rows_1x128(q, stream);
+  char* rows = reinterpret_cast<char*>(state.row_buffer());
+  comm::DispatchLaunch d = state.dispatch_launch(ctas, /*dedup=*/true, state.view(), layout.dy,
+                                                 reinterpret_cast<bf16*>(rows));
+  d.role.row_bytes = P;
+  comm::launch_dispatch(d, stream);
+  const int blocks = static_cast<int>(blocks128(s.hidden));
+  unpack_scales<<<static_cast<unsigned>(std::clamp<int64_t>(R * blocks / 256, 1, 2048)), 256, 0, stream>>>(
+      state.view().header, rows, P, s.hidden, blocks, R, fwd.fp8->x.scales.get());
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return {reinterpret_cast<const uint8_t*>(rows), fwd.fp8->x.scales.get(), P};
 }
 
 // ---- the weights ----
@@ -214,7 +260,8 @@ void check_fp8_records(ForwardBuffers& fwd, const LayerShape& s, cudaStream_t st
 
 void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Segments& seg, const bf16* x_rows,
                        const int64_t* live_rows, const Fp8Pass& pass, const SavedContext& save,
-                       const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream) {
+                       const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream,
+                       const gemm::Fp8Rows* dispatched) {
   const Fp8WeightViews& w = *pass.weights;
   Fp8ForwardScratch& q = *fwd.fp8;
   gemm::NonFiniteRecord* rec = q.records.get();
@@ -232,8 +279,9 @@ void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Seg
     }
     return;
   }
-  quantize_rows(x_rows, seg.buffer_rows, s.hidden, q.x, live_rows, rec + kFp8X, stream);
-  gemm::Gemm1SwigluFp8Args g1{seg, s.hidden, s.intermediate, q.x.rows(), w.gate().w, w.up().w, save.g, save.u,
+  if (dispatched == nullptr) quantize_rows(x_rows, seg.buffer_rows, s.hidden, q.x, live_rows, rec + kFp8X, stream);
+  const gemm::Fp8Rows x = dispatched != nullptr ? *dispatched : q.x.rows();
+  gemm::Gemm1SwigluFp8Args g1{seg, s.hidden, s.intermediate, x, w.gate().w, w.up().w, save.g, save.u,
                               nullptr, q.h.codes.get(), q.h.scales.get(), rec + kFp8H};
   gemm::gemm1_swiglu_fp8(g1, launch, stream);
   if (gemm2) {

@@ -66,7 +66,24 @@ void quantize_weights(const Fp8WeightViews& v, const ExpertWeights& w, cudaStrea
 struct Fp8Pass {
   const Fp8WeightViews* weights = nullptr;
   bool fp8_wgrad = true;  // the weight-gradient GEMMs in FP8 (Config::fp8_weight_grads)
+  // The forward dispatches x quantized (codes and scales: ~0.52x the bytes), else in bf16 and
+  // quantizes the routed rows after it: the same bits (Workspace::Impl::fp8_dispatch, a testing knob).
+  bool dispatch_fp8 = true;
 };
+
+// A dispatched FP8 row: x's H codes, then its ceil(H / 128) fp32 scales, padded to 16 bytes (the
+// copies' vectors, TMA's row stride): H * (1 + 1/32) bytes, 0.516x a bf16 row for H >= 1024, and
+// <= 2H for any H (a multiple of 64): it fits where a bf16 row goes, in the window and the routed buffer.
+int64_t fp8_row_bytes(int64_t hidden);
+
+// The forward's FP8 dispatch: x [tokens, H] quantized 1x128 (the record kFp8X indexes x itself)
+// into packed rows in the window's dy staging area (free during a forward; the zero-copy x
+// staging may hold x itself), then the dedup dispatch of those rows (fp8_row_bytes each) over the
+// schedule into the routed buffer, then the scales of its live rows unpacked K-block major into
+// fwd.fp8->x.scales (padding rows: scale 1, as the quantizer gives a zero row). Returns the routed
+// x for forward_gemms_fp8 (codes in the routed buffer, row stride fp8_row_bytes).
+gemm::Fp8Rows fp8_dispatch(comm::CommState& state, ForwardBuffers& fwd, const bf16* x, int64_t tokens, int ctas,
+                           cudaStream_t stream);
 
 // FP8 scratch of the passes (ForwardBuffers::fp8, BackwardBuffers::fp8), sized at workspace
 // creation when the precision is FP8. Codes are e4m3 bytes, scales fp32 K-block major
@@ -104,12 +121,13 @@ void poison_on_nonfinite(const ForwardBuffers& fwd, void* out, int64_t words, cu
 void check_fp8_records(ForwardBuffers& fwd, const LayerShape& shape, cudaStream_t stream);
 
 // The forward's expert GEMMs in FP8 for the shared expert (shared; its rows fwd.shared_x) or the
-// routed experts (segments `seg` over x_rows, the first *live_rows rows live): x quantized, GEMM 1 +
-// SwiGLU into save's g, u (h quantized in its epilogue), with gemm2 GEMM 2 into the expert outputs
-// (without: the backward's recompute of g, u).
+// routed experts (segments `seg` over x_rows, the first *live_rows rows live): x quantized (or,
+// with `dispatched`, x as fp8_dispatch left it), GEMM 1 + SwiGLU into save's g, u (h quantized in its
+// epilogue), with gemm2 GEMM 2 into the expert outputs (without: the backward's recompute of g, u).
 void forward_gemms_fp8(const LayerShape& shape, ForwardBuffers& fwd, const gemm::Segments& seg, const bf16* x_rows,
                        const int64_t* live_rows, const Fp8Pass& pass, const SavedContext& save,
-                       const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream);
+                       const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream,
+                       const gemm::Fp8Rows* dispatched = nullptr);
 
 // The backward's dgrad chain in FP8 for the shared expert (shared) or the routed experts: dy rows
 // quantized, dh + SwiGLU backward (with the d topk_w parts when routed) into out's dg, du, then dx.

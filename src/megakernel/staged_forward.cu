@@ -45,15 +45,18 @@ __global__ void check_weights_kernel(const float* topk_w, int64_t n, comm::Devic
 
 __global__ void set_word(int32_t* word, int32_t value) { *word = value; }
 
+// dispatched: FP8 only, the routed x as fp8_dispatch left it (else the bf16 rows are quantized here).
 void run_expert_gemms(const comm::CommState& state, ForwardBuffers& b, const ExpertWeights& w, const bf16* rows,
-                      const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream) {
+                      const StagedForwardOptions& o, const SavedContext& save, cudaStream_t stream,
+                      const gemm::Fp8Rows* dispatched = nullptr) {
   const LayerShape& s = state.shape();
   const gemm::Launch launch = gemm_launch(b, o.gemm_grid, o.timeout_s);
   const gemm::Segments seg{b.seg_offsets.get(), b.seg_rows.get(), static_cast<int>(s.local_experts()),
                            b.buffer_rows};
   if (o.fp8 != nullptr) {
     if (s.has_shared()) forward_gemms_fp8(s, b, seg, nullptr, nullptr, *o.fp8, save, launch, true, true, stream);
-    forward_gemms_fp8(s, b, seg, rows, &state.view().header->padded_rows, *o.fp8, save, launch, false, true, stream);
+    forward_gemms_fp8(s, b, seg, rows, &state.view().header->padded_rows, *o.fp8, save, launch, false, true, stream,
+                      dispatched);
     return;
   }
   if (s.has_shared()) {  // first, as in the fused kernel (hides the dispatch there)
@@ -179,10 +182,16 @@ void staged_forward(comm::CommState& state, ForwardBuffers& b, const ForwardArgs
   check_router_weights(state, args.topk_w, T, stream);
   if (o.fp8 != nullptr) merge_weight_records(b, *o.fp8, stream);
   convert_segments(state, b, stream);
-  state.stage_x(args.x, T, stream);
   if (s.has_shared()) stage_shared_rows(b, T, s.hidden, {{b.shared_x.get(), args.x}}, stream);
-  state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
-  run_expert_gemms(state, b, w, state.row_buffer(), o, save, stream);
+  gemm::Fp8Rows x8;  // FP8: x dispatched quantized (half the bytes), the same bits as quantizing after
+  const bool fp8_rows = o.fp8 != nullptr && o.fp8->dispatch_fp8;
+  if (fp8_rows) {
+    x8 = fp8_dispatch(state, b, args.x, T, o.dispatch_ctas, stream);
+  } else {
+    state.stage_x(args.x, T, stream);
+    state.dispatch(o.dispatch_ctas, /*dedup=*/true, stream);
+  }
+  run_expert_gemms(state, b, w, state.row_buffer(), o, save, stream, fp8_rows ? &x8 : nullptr);
   state.combine(b.expert_out.get(), o.combine_ctas, /*own_rows_in_place=*/true, stream);
   state.epilogue(args.topk_w, s.has_shared() ? b.shared_out.get() : nullptr, b.expert_out.get(), args.y, stream);
   poison_y_on_error(state, args.y, T, stream);

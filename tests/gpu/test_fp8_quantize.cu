@@ -515,6 +515,7 @@ TEST(Fp8Quantize, RejectsBadArguments) {
   expect_invalid([&] { auto a = r; a.codes_ld = 0; rows(a); }, "a.codes_ld");  // 77: not a multiple of 16
   expect_invalid([&] { auto a = r; a.codes_ld = 88; rows(a); }, "a.codes_ld");
   expect_invalid([&] { auto a = r; a.scales_ld = 3; rows(a); }, "a.scales_ld");
+  expect_invalid([&] { auto a = r; a.scales_row_stride = -1; rows(a); }, "a.scales_row_stride");
   expect_invalid([&] { auto a = r; a.nonfinite = nullptr; rows(a); }, "a.nonfinite");
   expect_invalid([&] { auto a = r; a.scales = nullptr; rows(a); }, "a.scales");
   expect_invalid([&] { auto a = r; a.x = as_bf16(reinterpret_cast<const uint16_t*>(codes + 1)); rows(a); }, "a.x");
