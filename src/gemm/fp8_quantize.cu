@@ -281,6 +281,28 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const BlocksP
   }
 }
 
+// ---- 1x128 rows back to bf16 ----
+
+struct DequantParams {
+  const uint8_t* codes;
+  int64_t rows, cols, codes_ld;
+  const float* scales;
+  int64_t scales_ld;
+  __nv_bfloat16* out;
+  int64_t ld;
+  const int64_t* rows_limit;
+};
+
+__global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const DequantParams p) {
+  const int64_t n = live_rows(p.rows, p.rows_limit) * p.cols;
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads) {
+    const int64_t r = i / p.cols, c = i - r * p.cols;
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(p.codes[r * p.codes_ld + c], __NV_E4M3);
+    const float v = __half2float(__half(h)) * p.scales[(c / kBlock) * p.scales_ld + r];
+    p.out[r * p.ld + c] = __float2bfloat16_rn(v);
+  }
+}
+
 // ---- host-side checks ----
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -383,6 +405,23 @@ void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stre
                a.rows_limit};
   quantize_cols_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
   host::check_cuda(cudaGetLastError(), "quantize_cols_128x1_transposed launch");
+}
+
+void dequantize_rows_1x128(const DequantizeRowsArgs& a, cudaStream_t stream) {
+  check_extent("a.rows", a.rows);
+  check_extent("a.cols", a.cols);
+  const int64_t codes_ld = resolve_ld("a.codes_ld", a.codes_ld, a.cols, a.cols, "cols", 1);
+  const int64_t scales_ld = resolve_ld("a.scales_ld", a.scales_ld, a.rows, a.rows, "rows", 1);
+  const int64_t ld = resolve_ld("a.ld", a.ld, a.cols, a.cols, "cols", 1);
+  const bool work = a.rows > 0 && a.cols > 0;
+  check_ptr("a.codes", a.codes, 1, work);
+  check_ptr("a.scales", a.scales, 4, work);
+  check_ptr("a.out", a.out, 2, work);
+  if (!work) return;
+  DequantParams p{a.codes, a.rows, a.cols, codes_ld, a.scales, scales_ld, a.out, ld, a.rows_limit};
+  dequantize_rows_kernel<<<grid_for(std::min<int64_t>((a.rows * a.cols + kThreads - 1) / kThreads, 8192)), kThreads,
+                           0, stream>>>(p);
+  host::check_cuda(cudaGetLastError(), "dequantize_rows_1x128 launch");
 }
 
 void quantize_blocks_128x128(const QuantizeBlocksArgs& a, cudaStream_t stream) {

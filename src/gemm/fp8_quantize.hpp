@@ -88,4 +88,20 @@ struct QuantizeBlocksArgs {
 };
 void quantize_blocks_128x128(const QuantizeBlocksArgs& a, cudaStream_t stream);
 
+// The inverse of quantize_rows_1x128 (ref::dequantize of a 1x128 tensor): out[r][c] =
+// bf16(from_e4m3(code) * scale), exact (an e4m3 value times a power of two has 4 significant bits)
+// unless it falls below bf16's smallest subnormal. Codes and scales in quantize_rows_1x128's layout
+// (scales K-block major); rows at or past *rows_limit (optional, as there) are not written.
+struct DequantizeRowsArgs {
+  const uint8_t* codes = nullptr;
+  int64_t rows = 0, cols = 0;
+  int64_t codes_ld = 0;   // 0 = cols
+  const float* scales = nullptr;
+  int64_t scales_ld = 0;  // 0 = rows
+  __nv_bfloat16* out = nullptr;
+  int64_t ld = 0;         // 0 = cols
+  const int64_t* rows_limit = nullptr;
+};
+void dequantize_rows_1x128(const DequantizeRowsArgs& a, cudaStream_t stream);
+
 }  // namespace mok::gemm

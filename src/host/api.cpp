@@ -96,7 +96,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   // g, u stay in its slots) to the backward's recompute scratch, where nothing reads them.
   const bool keep = ctx.layout.activations && args.save_activations && !impl.forward->ring();
   megakernel::SavedContext target = ctx.saved;
-  if (!keep) {
+  if (!keep || is_fp8(impl)) {  // FP8: GEMM 1's bf16 g, u go to the scratch, the context keeps them in FP8
     target.g = impl.backward->g.get();
     target.u = impl.backward->u.get();
     target.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
@@ -120,6 +120,9 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
       options.fp8 = &pass;
     }
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
+    if (is_fp8(impl) && keep) {
+      megakernel::save_activations_fp8(impl.shape, *impl.forward, impl.state->view(), target, ctx.saved, stream);
+    }
   }
   megakernel::save_schedule(*impl.state, *impl.forward, ctx.layout, ctx.base, stream);
   ctx.saved.schedule.tokens = impl.state->view().tokens;  // the call's T: its backward's buffers
@@ -150,9 +153,11 @@ megakernel::FusedBackwardOptions fused_backward_options(const Workspace::Impl& i
 }
 
 // The saved context as the backward reads it: without activations (g == nullptr) it recomputes them.
+// FP8 layouts keep g, u in e4m3 (SavedContext::g8, ...): their bf16 g, u are never activations.
 megakernel::SavedContext as_saved(const Context::Impl& ctx) {
   megakernel::SavedContext c = ctx.saved;
-  if (!ctx.complete) c.g = c.u = c.shared_g = c.shared_u = nullptr;
+  if (!ctx.complete || ctx.layout.fp8) c.g = c.u = c.shared_g = c.shared_u = nullptr;
+  if (!ctx.complete) c.g8 = c.u8 = c.shared_g8 = c.shared_u8 = megakernel::Fp8Saved{};
   return c;
 }
 
@@ -250,8 +255,18 @@ void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const Exp
     pass = fp8_pass(impl, weights, stream);
     options.fp8 = &pass;
   }
-  megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, ctx.saved,
+  megakernel::SavedContext out = ctx.saved;
+  if (is_fp8(impl)) {  // GEMM 1 into the scratch, then into the context's FP8 copies
+    out.g = impl.backward->g.get();
+    out.u = impl.backward->u.get();
+    out.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
+    out.shared_u = impl.shape.has_shared() ? impl.backward->shared_u.get() : nullptr;
+  }
+  megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, out,
                                     options, stream);
+  if (is_fp8(impl)) {
+    megakernel::save_activations_fp8(impl.shape, *impl.forward, ctx.saved.schedule, out, ctx.saved, stream);
+  }
   ctx.complete = true;
   impl.last_stream = stream;
 }

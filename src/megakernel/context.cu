@@ -41,10 +41,23 @@ ContextLayout ContextLayout::make(const LayerShape& s, const Config& config, int
   l.seg_rows = take(E * sizeof(int32_t));
   l.schedule_bytes = at;
   const int64_t keep = l.activations ? 1 : 0, defer = l.deferred ? 1 : 0;
-  l.g = take(keep * l.buffer_rows * s.intermediate * sizeof(bf16));
-  l.u = take(keep * l.buffer_rows * s.intermediate * sizeof(bf16));
-  l.shared_g = take(keep * l.shared_rows * s.shared_intermediate * sizeof(bf16));
-  l.shared_u = take(keep * l.shared_rows * s.shared_intermediate * sizeof(bf16));
+  l.fp8 = config.precision == Precision::kFp8Block;
+  // bf16 g, u: the activations (bf16), or only a deferring backward's dg, du (FP8).
+  const int64_t bf16_gu = l.fp8 ? defer : keep;
+  l.g = take(bf16_gu * l.buffer_rows * s.intermediate * sizeof(bf16));
+  l.u = take(bf16_gu * l.buffer_rows * s.intermediate * sizeof(bf16));
+  l.shared_g = take(bf16_gu * l.shared_rows * s.shared_intermediate * sizeof(bf16));
+  l.shared_u = take(bf16_gu * l.shared_rows * s.shared_intermediate * sizeof(bf16));
+  const int64_t fp8_gu = l.fp8 ? keep : 0;
+  const int64_t ib = (s.intermediate + 127) / 128, sb = (s.shared_intermediate + 127) / 128;
+  l.g8 = take(fp8_gu * l.buffer_rows * s.intermediate);
+  l.g8_scales = take(fp8_gu * ib * l.buffer_rows * sizeof(float));
+  l.u8 = take(fp8_gu * l.buffer_rows * s.intermediate);
+  l.u8_scales = take(fp8_gu * ib * l.buffer_rows * sizeof(float));
+  l.shared_g8 = take(fp8_gu * l.shared_rows * s.shared_intermediate);
+  l.shared_g8_scales = take(fp8_gu * sb * l.shared_rows * sizeof(float));
+  l.shared_u8 = take(fp8_gu * l.shared_rows * s.shared_intermediate);
+  l.shared_u8_scales = take(fp8_gu * sb * l.shared_rows * sizeof(float));
   l.hs = take(defer * l.buffer_rows * s.intermediate * sizeof(bf16));
   l.shared_hs = take(defer * l.shared_rows * s.shared_intermediate * sizeof(bf16));
   l.total = at;
@@ -73,11 +86,24 @@ SavedContext SavedContext::at(char* base, const ContextLayout& l, const LayerSha
   c.seg_offsets = reinterpret_cast<const int32_t*>(base + l.seg_offsets);
   c.seg_rows = reinterpret_cast<const int32_t*>(base + l.seg_rows);
   if (!l.activations) return c;
-  c.g = reinterpret_cast<bf16*>(base + l.g);
-  c.u = reinterpret_cast<bf16*>(base + l.u);
-  if (s.has_shared()) {
-    c.shared_g = reinterpret_cast<bf16*>(base + l.shared_g);
-    c.shared_u = reinterpret_cast<bf16*>(base + l.shared_u);
+  if (!l.fp8 || l.deferred) {  // FP8: bf16 g, u only as a deferring backward's dg, du
+    c.g = reinterpret_cast<bf16*>(base + l.g);
+    c.u = reinterpret_cast<bf16*>(base + l.u);
+    if (s.has_shared()) {
+      c.shared_g = reinterpret_cast<bf16*>(base + l.shared_g);
+      c.shared_u = reinterpret_cast<bf16*>(base + l.shared_u);
+    }
+  }
+  if (l.fp8) {
+    auto fp8 = [&](size_t codes, size_t scales) {
+      return Fp8Saved{reinterpret_cast<uint8_t*>(base + codes), reinterpret_cast<float*>(base + scales)};
+    };
+    c.g8 = fp8(l.g8, l.g8_scales);
+    c.u8 = fp8(l.u8, l.u8_scales);
+    if (s.has_shared()) {
+      c.shared_g8 = fp8(l.shared_g8, l.shared_g8_scales);
+      c.shared_u8 = fp8(l.shared_u8, l.shared_u8_scales);
+    }
   }
   if (l.deferred) {
     c.hs = reinterpret_cast<bf16*>(base + l.hs);

@@ -5,7 +5,9 @@
 //                  minibatch ranges, the in-place combine's remote-row list) and the GEMM
 //                  engine's int32 segments: the backward replays it, no new routing exchange;
 //   g, u           [buffer_rows, I] bf16 pre-activations of every routed row (h is rebuilt);
-//   shared g, u    [T rounded up to 128, I_shared] of the shared expert.
+//   shared g, u    [T rounded up to 128, I_shared] of the shared expert;
+//                  with Config::precision kFp8Block both in e4m3 with 1x128 scales instead
+//                  (DeepSeek-V3's FP8-cached SwiGLU input: ~0.52x the bytes; docs/fp8.md).
 // x is not kept: the backward takes it again (BackwardArgs::x) and dispatches it again for
 // the gate/up weight gradients, which is NVLink traffic instead of [buffer_rows, H] per layer.
 // Neither are the expert outputs: d topk_w comes from the dgrad's accumulator (numerics.md).
@@ -28,6 +30,12 @@ struct ContextLayout {
   size_t header = 0, expert_offset = 0, expert_rows = 0, rows = 0, dest_row = 0, mb_ranges = 0, remote_rows = 0,
          remote_count = 0, token_key = 0, token_order = 0, seg_offsets = 0, seg_rows = 0, g = 0, u = 0,
          shared_g = 0, shared_u = 0, hs = 0, shared_hs = 0;
+  // Config::precision kFp8Block: g, u (and shared g, u) kept in e4m3, 1x128 blocks along I, scales
+  // K-block major ([ceil(I / 128)][rows]); the bf16 g, u regions then exist only for a deferring
+  // backward's dg, du.
+  size_t g8 = 0, g8_scales = 0, u8 = 0, u8_scales = 0, shared_g8 = 0, shared_g8_scales = 0, shared_u8 = 0,
+         shared_u8_scales = 0;
+  bool fp8 = false;
   size_t schedule_bytes = 0;  // the routing table's share (everything before g)
   size_t total = 0;
   int64_t buffer_rows = 0, shared_rows = 0, max_minibatches = 0, minibatch = 0;
@@ -36,6 +44,12 @@ struct ContextLayout {
   // keep: 0 the routing table only, 1 and the activations, 2 and room for a deferred weight gradient
   // (mok::Context::Keep's values)
   static ContextLayout make(const LayerShape& shape, const Config& config, int keep = 1);
+};
+
+// An activation kept in FP8 (Fp8Rows' layout: codes [rows, I], scales [ceil(I / 128)][rows]).
+struct Fp8Saved {
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
 };
 
 // Device pointers into one context block.
@@ -51,6 +65,8 @@ struct SavedContext {
   // hs [buffer_rows, I], shared hs [shared_rows, I_shared] (nullptr unless the layout has room).
   bf16* hs = nullptr;
   bf16* shared_hs = nullptr;
+  // FP8 layouts: the kept g, u (codes nullptr: none kept, or a bf16 context).
+  Fp8Saved g8, u8, shared_g8, shared_u8;
   static SavedContext at(char* base, const ContextLayout& layout, const LayerShape& shape);
 };
 

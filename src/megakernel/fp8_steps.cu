@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "comm/cuda_check.hpp"
 #include "comm/roles.hpp"
@@ -85,6 +86,7 @@ gemm::Segments shared_segments(ForwardBuffers& fwd) {
 const char* fp8_tensor_name(int t) {
   static const char* const names[kFp8Tensors] = {
       "x (a token's row; in a recompute, a row of the routed buffer)", "h (a routed row)", "x (shared expert)", "h (shared expert)",
+      "g or u (a routed row, kept in FP8)", "g or u (shared expert, kept in FP8)",
       "dy (a pulled row of the routed buffer)", "dg or du (a routed row)", "hs (a routed row)",
       "dy (shared expert)", "dg or du (shared expert)", "hs (shared expert)",
       "ExpertWeights.gate (rows of the local experts stacked)", "ExpertWeights.up (rows of the local experts stacked)",
@@ -96,8 +98,8 @@ const char* fp8_tensor_name(int t) {
 int64_t fp8_tensor_cols(int t, const LayerShape& s) {
   switch (t) {
     case kFp8X: case kFp8SharedX: case kFp8Dy: case kFp8SharedDy: return s.hidden;
-    case kFp8H: case kFp8DgDu: case kFp8Hs: return s.intermediate;
-    case kFp8SharedH: case kFp8SharedDgDu: case kFp8SharedHs: return s.shared_intermediate;
+    case kFp8H: case kFp8Gu: case kFp8DgDu: case kFp8Hs: return s.intermediate;
+    case kFp8SharedH: case kFp8SharedGu: case kFp8SharedDgDu: case kFp8SharedHs: return s.shared_intermediate;
     case kFp8WeightGate: case kFp8WeightUp: case kFp8WeightSharedGate: case kFp8WeightSharedUp: return s.hidden;
     case kFp8WeightDown: return s.intermediate;
     case kFp8WeightSharedDown: return s.shared_intermediate;
@@ -253,6 +255,87 @@ void check_fp8_records(ForwardBuffers& fwd, const LayerShape& s, cudaStream_t st
                                               std::to_string(h[t].first % cols) +
                                               " (Config::precision fp8_block quantizes it; the outputs of the passes "
                                               "since the last check() are NaN)");
+  }
+}
+
+// ---- the FP8 context's g, u ----
+
+namespace {
+
+struct GuRows {  // one half (routed or shared) of the activations
+  int64_t rows, cols;
+  const int64_t* live;
+  bf16 *g, *u;
+  Fp8Saved g8, u8;
+};
+
+// The routed and the shared halves of (bf16 `b`, FP8 `f`) with their row counts.
+std::vector<GuRows> halves(const LayerShape& s, const ForwardBuffers& fwd, const comm::ScheduleView& v,
+                           const SavedContext& b, const SavedContext& f) {
+  std::vector<GuRows> h{{fwd.buffer_rows, s.intermediate, padded_rows(v), b.g, b.u, f.g8, f.u8}};
+  if (s.has_shared()) {
+    h.push_back({fwd.shared_rows, s.shared_intermediate, nullptr, b.shared_g, b.shared_u, f.shared_g8, f.shared_u8});
+  }
+  return h;
+}
+
+void quantize_into(const bf16* x, const GuRows& h, Fp8Saved to, gemm::NonFiniteRecord* rec, cudaStream_t stream) {
+  gemm::QuantizeRowsArgs a;
+  a.x = x;
+  a.rows = h.rows;
+  a.cols = h.cols;
+  a.codes = to.codes;
+  a.scales = to.scales;
+  a.nonfinite = rec;
+  a.rows_limit = h.live;
+  gemm::quantize_rows_1x128(a, stream);
+}
+
+void dequantize_from(Fp8Saved from, const GuRows& h, bf16* out, cudaStream_t stream) {
+  gemm::DequantizeRowsArgs a;
+  a.codes = from.codes;
+  a.rows = h.rows;
+  a.cols = h.cols;
+  a.scales = from.scales;
+  a.out = out;
+  a.rows_limit = h.live;
+  gemm::dequantize_rows_1x128(a, stream);
+}
+
+}  // namespace
+
+void save_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm::ScheduleView& v,
+                          const SavedContext& from, const SavedContext& into, cudaStream_t stream) {
+  gemm::NonFiniteRecord* rec = fwd.fp8->records.get();
+  int half = 0;
+  for (const GuRows& h : halves(s, fwd, v, from, into)) {
+    gemm::NonFiniteRecord* r = rec + (half++ == 0 ? kFp8Gu : kFp8SharedGu);
+    quantize_into(h.g, h, h.g8, r, stream);
+    quantize_into(h.u, h, h.u8, r, stream);
+  }
+}
+
+void load_activations_fp8(const LayerShape& s, const ForwardBuffers& fwd, const comm::ScheduleView& v,
+                          const SavedContext& from, const SavedContext& into, cudaStream_t stream) {
+  for (const GuRows& h : halves(s, fwd, v, into, from)) {
+    dequantize_from(h.g8, h, h.g, stream);
+    dequantize_from(h.u8, h, h.u, stream);
+  }
+}
+
+void round_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm::ScheduleView& v,
+                           const SavedContext& gu, cudaStream_t stream) {
+  Fp8ForwardScratch& q = *fwd.fp8;
+  SavedContext scratch;  // the FP8 round trip goes through h's buffers (free in a backward)
+  scratch.g8 = scratch.u8 = Fp8Saved{q.h.codes.get(), q.h.scales.get()};
+  scratch.shared_g8 = scratch.shared_u8 = Fp8Saved{q.shared_h.codes.get(), q.shared_h.scales.get()};
+  int half = 0;
+  for (const GuRows& h : halves(s, fwd, v, gu, scratch)) {
+    gemm::NonFiniteRecord* r = q.records.get() + (half++ == 0 ? kFp8Gu : kFp8SharedGu);
+    for (bf16* t : {h.g, h.u}) {  // one after the other through the same scratch (stream-ordered)
+      quantize_into(t, h, h.g8, r, stream);
+      dequantize_from(h.g8, h, t, stream);
+    }
   }
 }
 

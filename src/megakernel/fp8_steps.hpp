@@ -34,7 +34,7 @@ struct Fp8Matrix {
 // The tensors an FP8 pass quantizes, in the order the workspace's non-finite records (and
 // Workspace::check()) take them. The weights' come from the cache the pass read.
 enum Fp8Tensor : int {
-  kFp8X, kFp8H, kFp8SharedX, kFp8SharedH, kFp8Dy, kFp8DgDu, kFp8Hs, kFp8SharedDy, kFp8SharedDgDu, kFp8SharedHs,
+  kFp8X, kFp8H, kFp8SharedX, kFp8SharedH, kFp8Gu, kFp8SharedGu, kFp8Dy, kFp8DgDu, kFp8Hs, kFp8SharedDy, kFp8SharedDgDu, kFp8SharedHs,
   kFp8WeightGate, kFp8WeightUp, kFp8WeightDown, kFp8WeightSharedGate, kFp8WeightSharedUp, kFp8WeightSharedDown,
   kFp8Tensors
 };
@@ -128,6 +128,18 @@ void forward_gemms_fp8(const LayerShape& shape, ForwardBuffers& fwd, const gemm:
                        const int64_t* live_rows, const Fp8Pass& pass, const SavedContext& save,
                        const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream,
                        const gemm::Fp8Rows* dispatched = nullptr);
+
+// The FP8 context's g, u (SavedContext::g8, u8, shared ones; DeepSeek-V3's FP8-cached SwiGLU input):
+// save quantizes the bf16 g, u of `from` (GEMM 1's outputs) into `into`'s FP8 copies; load
+// dequantizes them back into `into`'s bf16 g, u (exact: the bf16 values of the copies); round does
+// both in place on `gu`'s bf16 g, u (the backward's recompute of a routing-only context: the bits of
+// a saved one). Routed rows: the schedule `v`'s live rows; shared: all of fwd.shared_rows.
+void save_activations_fp8(const LayerShape& shape, ForwardBuffers& fwd, const comm::ScheduleView& v,
+                          const SavedContext& from, const SavedContext& into, cudaStream_t stream);
+void load_activations_fp8(const LayerShape& shape, const ForwardBuffers& fwd, const comm::ScheduleView& v,
+                          const SavedContext& from, const SavedContext& into, cudaStream_t stream);
+void round_activations_fp8(const LayerShape& shape, ForwardBuffers& fwd, const comm::ScheduleView& v,
+                           const SavedContext& gu, cudaStream_t stream);
 
 // The backward's dgrad chain in FP8 for the shared expert (shared) or the routed experts: dy rows
 // quantized, dh + SwiGLU backward (with the d topk_w parts when routed) into out's dg, du, then dx.

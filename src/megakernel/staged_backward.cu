@@ -406,7 +406,18 @@ SavedContext backward_prologue(comm::CommState& state, ForwardBuffers& fwd, Back
   stage_and_pull(state, fwd, bwd, v, args, o, /*weights=*/true, stream, pull_dy);
   // A routing-only context: g, u (shared g, u) again from the x rows, GEMM 1 of the forward.
   SavedContext used = saved;
-  if (saved.g == nullptr) {
+  if (o.fp8 != nullptr) {  // FP8: the GEMMs read g, u from the recompute scratch, dequantized or recomputed
+    used.g = bwd.g.get();
+    used.u = bwd.u.get();
+    used.shared_g = s.has_shared() ? bwd.shared_g.get() : nullptr;
+    used.shared_u = s.has_shared() ? bwd.shared_u.get() : nullptr;
+    if (saved.g8.codes != nullptr) {
+      load_activations_fp8(s, fwd, v, saved, used, stream);
+    } else {
+      run_gemm1(state, fwd, bwd, used, x_rows_of(state, bwd), w, o, stream);
+      round_activations_fp8(s, fwd, v, used, stream);  // the bits of a context that kept them
+    }
+  } else if (saved.g == nullptr) {
     used.g = bwd.g.get();
     used.u = bwd.u.get();
     used.shared_g = s.has_shared() ? bwd.shared_g.get() : nullptr;

@@ -45,9 +45,22 @@ void mlp_forward_fp8(const MlpWeights<float>& w, const float* x, int64_t n, floa
   gemm_fp8(quantize_rows_1x128(h.data(), n, I, "h"), quantize_blocks_128x128(w.down, H, I, "w_down"), o, true);
 }
 
-void mlp_backward_fp8(const MlpWeights<float>& w, const float* dy, const float* row_w, const float* g,
-                      const float* u, int64_t n, float* dgu, float* hs, float* dx, float* dtopk_w) {
+// g, u as the FP8 context keeps them (DeepSeek-V3's cached SwiGLU input): quantized 1x128 along I,
+// then dequantized and rounded to bf16 (exact unless a value falls below bf16's smallest subnormal).
+static std::vector<float> saved_fp8(const float* v, int64_t n, int64_t I, const char* name) {
+  std::vector<float> out = dequantize(quantize_rows_1x128(v, n, I, name));
+  for (float& e : out) e = act(e);
+  return out;
+}
+
+void mlp_backward_fp8(const MlpWeights<float>& w, const float* dy, const float* row_w, const float* g_in,
+                      const float* u_in, int64_t n, float* dgu, float* hs, float* dx, float* dtopk_w) {
   const int64_t H = w.hidden, I = w.inter;
+  // Step 1 (FP8): the saved g, u are the forward's after an FP8 round trip (the context keeps them in
+  // e4m3); every step below reads those, h's rebuild and the SwiGLU backward included.
+  const std::vector<float> g8 = saved_fp8(g_in, n, I, "g"), u8 = saved_fp8(u_in, n, I, "u");
+  const float* g = g8.data();
+  const float* u = u8.data();
   // Step 2: dhr = dy . W_down (fp32) on dy (1x128 along H) and W_down^T (128x128).
   const std::vector<float> down_t = transpose(w.down, H, I, I);  // [I, H]
   std::vector<float> dhr(static_cast<size_t>(n * I));

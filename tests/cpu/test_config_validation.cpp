@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "mok/api.hpp"
 #include "mok/config.hpp"
 #include "mok/error.hpp"
 #include "mok/shape.hpp"
@@ -274,3 +275,18 @@ TEST(ConfigValidation, MacrobatchSizesTheResidentRows) {
 }
 
 }  // namespace
+
+// The FP8 context keeps g, u in e4m3 (1x128 scales): at most 0.6x the bytes of the bf16 context on
+// the benchmark shapes (#48), the same routing table, and a deferring context keeps bf16 room for dg, du.
+TEST(ConfigValidation, Fp8ContextIsAtMostSixTenthsOfBf16s) {
+  for (const mok::LayerShape& s : {mok::dsv3_shape(1), mok::qwen3_shape(1), mok::gptoss_shape(1), mok::dsv3_shape(8)}) {
+    mok::Config bf16, fp8;
+    fp8.precision = mok::Precision::kFp8Block;
+    const double b = double(mok::Context::bytes(s, bf16)), f = double(mok::Context::bytes(s, fp8));
+    EXPECT_LE(f / b, 0.6) << s.to_string() << ": " << f << " / " << b << " bytes";
+    EXPECT_GT(f / b, 0.45) << s.to_string();
+    EXPECT_EQ(mok::Context::bytes(s, fp8, mok::Context::Keep::kRoutingOnly),
+              mok::Context::bytes(s, bf16, mok::Context::Keep::kRoutingOnly));
+    EXPECT_GT(double(mok::Context::bytes(s, fp8, mok::Context::Keep::kDeferredWgrad)), b);  // + dg, du in bf16
+  }
+}

@@ -166,6 +166,48 @@ TEST(Fp8Quantize, RowsMatchReference) {
   }
 }
 
+// The inverse: quantize_rows_1x128 then dequantize_rows_1x128 gives ref::dequantize's values
+// rounded to bf16 (exact here), also in strided layouts; nothing outside the output is written.
+TEST(Fp8Quantize, DequantizeRowsInvertsTheQuantizer) {
+  SKIP_WITHOUT_GPU();
+  const RowsCase cases[] = {{3, 77, 80, 80, 5, 3}, {130, 200, 203, 224, 131, 7}, {33, 2880, 0, 0, 40, 0},
+                            {257, 129, 0, 144, 0, -118}};
+  uint32_t seed = 900;
+  for (const RowsCase& k : cases) {
+    Record rec;
+    const Bits x = random_wide(k.rows, k.cols, k.ld_(), seed++, k.base);
+    DeviceBuffer<uint16_t> dx = device_input(x, 0);
+    DeviceBuffer<uint8_t> codes(static_cast<size_t>(k.rows * k.codes_ld_()));
+    DeviceBuffer<float> scales(static_cast<size_t>(ceil128(k.cols) * k.scales_ld_()));
+    const int64_t out_ld = k.cols + 8;
+    DeviceBuffer<uint16_t> out(static_cast<size_t>(k.rows * out_ld + kTail));
+    out.poison();
+    gemm::QuantizeRowsArgs q;
+    q.x = as_bf16(dx.ptr), q.rows = k.rows, q.cols = k.cols, q.ld = k.ld;
+    q.codes = codes.ptr, q.codes_ld = k.codes_ld, q.scales = scales.ptr, q.scales_ld = k.scales_ld;
+    q.nonfinite = rec.d.ptr;
+    gemm::quantize_rows_1x128(q, nullptr);
+    gemm::DequantizeRowsArgs d;
+    d.codes = codes.ptr, d.rows = k.rows, d.cols = k.cols, d.codes_ld = k.codes_ld;
+    d.scales = scales.ptr, d.scales_ld = k.scales_ld;
+    d.out = reinterpret_cast<__nv_bfloat16*>(out.ptr), d.ld = out_ld;
+    gemm::dequantize_rows_1x128(d, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> got = out.download();
+    const std::vector<float> want = ref::dequantize(ref::quantize_rows_1x128(x.data(), k.rows, k.cols, "x", k.ld_()));
+    int64_t bad = 0, poisoned = 0;
+    for (int64_t r = 0; r < k.rows; ++r) {
+      for (int64_t c = 0; c < out_ld; ++c) {
+        const uint16_t g = got[r * out_ld + c];
+        if (c < k.cols) bad += g != ref::to_bf16(want[r * k.cols + c]);
+        else poisoned += g != got.back();
+      }
+    }
+    EXPECT_EQ(bad, 0) << k.name();
+    EXPECT_EQ(poisoned, 0) << k.name() << ": written past cols";
+  }
+}
+
 // ---- 128x1 blocks along the rows of x, written transposed ----
 
 struct ColsCase {
