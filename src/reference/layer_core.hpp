@@ -92,11 +92,14 @@ void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dy, const R
 
 // The FP8 recipe's versions of the three (layer_fp8.cpp): the same steps with the expert GEMMs
 // on e4m3 operands (docs/fp8.md); mlp_forward / mlp_backward / mlp_wgrad call them when w.fp8.
-void mlp_forward_fp8(const MlpWeights<float>& w, const float* x, int64_t n, float* g, float* u, float* o);
+// threads: the parallel_for of dense.hpp over output rows (each element's sum is sequential: the bits
+// do not depend on it).
+void mlp_forward_fp8(const MlpWeights<float>& w, const float* x, int64_t n, float* g, float* u, float* o,
+                     int threads);
 void mlp_backward_fp8(const MlpWeights<float>& w, const float* dy, const float* row_w, const float* g,
-                      const float* u, int64_t n, float* dgu, float* hs, float* dx, float* dtopk_w);
+                      const float* u, int64_t n, float* dgu, float* hs, float* dx, float* dtopk_w, int threads);
 void mlp_wgrad_fp8(const MlpWeights<float>& w, const float* x, const float* dy, const float* dgu, const float* hs,
-                   int64_t n, float* dgate, float* dup, float* ddown);
+                   int64_t n, float* dgate, float* dup, float* ddown, int threads);
 
 // The public element type of a Real variant: bf16 bits for float, double for double.
 template <class Real>

@@ -25,7 +25,7 @@ void mlp_forward(const MlpWeights<Real>& w, const Real* x, int64_t n, Real* g, R
   const int64_t H = w.hidden, I = w.inter;
   if (n == 0) return;
   if constexpr (std::is_same_v<Real, float>) {
-    if (w.fp8 != nullptr) return mlp_forward_fp8(w, x, n, g, u, o);
+    if (w.fp8 != nullptr) return mlp_forward_fp8(w, x, n, g, u, o, threads);
   }
   // Step 1: g = bf16(dot(W_gate[i], v)), u = bf16(dot(W_up[i], v)).
   std::vector<Real> acc(static_cast<size_t>(n * I));
@@ -72,7 +72,7 @@ void mlp_backward(const MlpWeights<Real>& w, const Real* dy, const Real* row_w, 
   const int64_t H = w.hidden, I = w.inter;
   if (n == 0) return;
   if constexpr (std::is_same_v<Real, float>) {
-    if (w.fp8 != nullptr) return mlp_backward_fp8(w, dy, row_w, g, u, n, dgu, hs, dx, dtopk_w);
+    if (w.fp8 != nullptr) return mlp_backward_fp8(w, dy, row_w, g, u, n, dgu, hs, dx, dtopk_w, threads);
   }
   // Step 2: dhr[i] = dot(W_down[:, i], dy), j ascending: rows of W_down^T [I, H]. dy is
   // unscaled, so dhr is the gradient of the expert output o before the router weight.
@@ -103,7 +103,7 @@ void mlp_wgrad(const MlpWeights<Real>& w, const Real* x, const Real* dy, const R
     return;
   }
   if constexpr (std::is_same_v<Real, float>) {
-    if (w.fp8 != nullptr && w.fp8->fp8_wgrad) return mlp_wgrad_fp8(w, x, dy, dgu, hs, n, dgate, dup, ddown);
+    if (w.fp8 != nullptr && w.fp8->fp8_wgrad) return mlp_wgrad_fp8(w, x, dy, dgu, hs, n, dgate, dup, ddown, threads);
   }
   // The reduction index is the row r, in the order the rows are given (canonical order).
   const std::vector<Real> x_t = transpose(x, n, H, H);     // [H, n]
