@@ -128,12 +128,14 @@ def test_module_precision_arguments():
                                  precision="fp8"))
 
 
-def test_fp8_layer_on_the_cpu_is_not_implemented(layer):
-    """The CPU path computes the bf16 layer; an FP8 layer says so instead of returning bf16 numbers."""
+def test_fp8_layer_on_the_cpu_names_a_non_finite_input(layer):
+    """The CPU path's FP8 emulation refuses what it cannot quantize, naming the tensor (as the GPU's check() does)."""
     _, x, idx, w = layer
     m = mok.torch.MoE(H, I, E, K, precision="fp8")
-    with pytest.raises(mok.MokNotImplemented, match="precision 'fp8_block': the CPU path computes the bf16 layer"):
-        m(x, idx, w)
+    bad = x.clone()
+    bad[3, 7] = float("nan")
+    with pytest.raises(mok.MokInvalidArgument, match=r"x: expected finite values to quantize to fp8.*row 3, column 7"):
+        m(bad, idx, w)
 
 
 def test_ep_group_needs_torch_distributed():

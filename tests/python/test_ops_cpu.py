@@ -201,3 +201,36 @@ def test_hf_register_without_transformers_is_a_clear_error():
         pass
     with pytest.raises(mok.MokError, match="transformers"):
         mok.torch.hf.register()
+
+
+def test_fp8_cpu_emulation_quantizer_and_layer():
+    """The CPU path's FP8 emulation (mok.torch._reference): power-of-two scales with amax in (224, 448], e4m3
+    round to nearest even, and the layer a few percent from bf16, bitwise repeatable, through autograd."""
+    from mok.torch import _reference as ref
+
+    v = torch.tensor([[1.0, -3.0, 0.0, 2.0 ** -12] + [0.0] * 124 + [448.0 * 8]])
+    codes, scales = ref._q_rows(v, "v")
+    # amax 3: 448 * 2^-8 < 3 <= 448 * 2^-7; amax 3584 = 448 * 2^3 exactly
+    assert scales[0, 0].item() == 2.0 ** -7 and scales[0, 128].item() == 8.0
+    assert codes[0, 0].item() == 128.0 and codes[0, 1].item() == -384.0 and codes[0, 128].item() == 448.0
+    assert codes[0, 3].item() == 2.0 ** -5 and codes[0, 2].item() == 0.0
+    t = torch.tensor([[448.0, 1.0 + 2.0 ** -4, 1.0 + 3 * 2.0 ** -4] + [0.0] * 125])  # scale 1; two ties to even
+    c, sc = ref._q_rows(t, "t")
+    assert sc[0, 0].item() == 1.0 and c[0, 1].item() == 1.0 and c[0, 2].item() == 1.25
+    H_, I_, E_, K_, T_ = 256, 192, 4, 2, 96
+    torch.manual_seed(1)
+    outs = {}
+    for prec in ("bf16", "fp8", "fp8"):
+        torch.manual_seed(1)
+        m = mok.torch.MoE(H_, I_, E_, K_, shared_intermediate=128, precision=prec)
+        x = torch.randn(T_, H_).bfloat16().requires_grad_()
+        idx = torch.stack([torch.randperm(E_)[:K_] for _ in range(T_)]).int()
+        w = torch.rand(T_, K_).requires_grad_()
+        y = m(x, idx, w)
+        y.float().square().sum().backward()
+        got = [y.detach().float(), x.grad.float(), w.grad] + [p.grad.float() for p in m.parameters()]
+        if prec in outs:  # D1: the second FP8 run
+            assert all(torch.equal(a, b) for a, b in zip(got, outs[prec]))
+        outs[prec] = got
+    rel = [((a - b).norm() / b.norm()).item() for a, b in zip(outs["fp8"], outs["bf16"])]
+    assert all(0.01 < r < 0.15 for r in rel), rel

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from mok.errors import MokNotImplemented, invalid_argument
+from mok.errors import invalid_argument
 
 from . import _reference, _runtime
 from ._checks import check_forward_args, check_grad_buffers, check_routing_values, check_tensor, describe
@@ -46,14 +46,15 @@ def _context_bytes(s: LayerSpec, x: Tensor, keep: int):
 
 
 def _cpu_only_local(s: LayerSpec, x: Tensor) -> None:
-    """The CPU path's limits: EP 1, bf16 GEMMs."""
+    """The CPU path's limits: EP 1."""
     if s.ep != 1:
         raise invalid_argument("x", f"a CUDA tensor (the layer's EP group has {s.ep} ranks; the CPU path is EP 1)",
                                describe(x))
-    if s.config.precision != "bf16":
-        raise MokNotImplemented(
-            f"precision {s.config.precision!r}: the CPU path computes the bf16 layer only (docs/numerics.md); run the "
-            f"layer on CUDA tensors (mok's FP8 kernels), or with precision 'bf16' on the CPU")
+
+
+def _cpu_fp8(s: LayerSpec):
+    """The CPU path's FP8 argument: None in bf16, else whether the weight gradients are FP8 too."""
+    return bool(s.config.fp8_weight_grads) if s.fp8 else None
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
@@ -71,7 +72,7 @@ def moe_forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate: Tenso
     if x.device.type == "cpu":
         _cpu_only_local(s, x)
         check_routing_values(s, topk_idx, topk_weights)
-        y = _reference.forward(x, topk_idx, topk_weights, *weights, s.intermediate)
+        y = _reference.forward(x, topk_idx, topk_weights, *weights, s.intermediate, fp8=_cpu_fp8(s) is not None)
         return y, x.new_empty(0, dtype=torch.uint8)
     raise invalid_argument("x", "a CUDA tensor (or a CPU one: the reference path)", describe(x))
 
@@ -99,7 +100,7 @@ def moe_backward(ctx: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor,
     if x.device.type == "cuda":
         return _runtime.backward(s, ctx, x, topk_weights, dy, weights, buffers, bool(accumulate))
     _cpu_only_local(s, x)
-    dx, dtw, grads = _reference.backward(x, topk_idx, topk_weights, dy, *weights, s.intermediate)
+    dx, dtw, grads = _reference.backward(x, topk_idx, topk_weights, dy, *weights, s.intermediate, fp8=_cpu_fp8(s))
     for b, g in zip(buffers, grads):
         if b is not None:
             if accumulate:
