@@ -95,13 +95,9 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   // The activations go to the context when it keeps them; else (and with the ring, whose routed
   // g, u stay in its slots) to the backward's recompute scratch, where nothing reads them.
   const bool keep = ctx.layout.activations && args.save_activations && !impl.forward->ring();
-  megakernel::SavedContext target = ctx.saved;
-  if (!keep || is_fp8(impl)) {  // FP8: GEMM 1's bf16 g, u go to the scratch, the context keeps them in FP8
-    target.g = impl.backward->g.get();
-    target.u = impl.backward->u.get();
-    target.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
-    target.shared_u = impl.shape.has_shared() ? impl.backward->shared_u.get() : nullptr;
-  }
+  // FP8: GEMM 1's bf16 g, u go to the scratch too, and the context keeps them in FP8.
+  const megakernel::SavedContext target =
+      keep && !is_fp8(impl) ? ctx.saved : impl.backward->scratch_activations(ctx.saved);
   if (impl.config.forward_engine == ForwardEngine::kFused && !is_fp8(impl)) {
     megakernel::FusedForwardOptions options = impl.fused;
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
@@ -255,13 +251,8 @@ void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const Exp
     pass = fp8_pass(impl, weights, stream);
     options.fp8 = &pass;
   }
-  megakernel::SavedContext out = ctx.saved;
-  if (is_fp8(impl)) {  // GEMM 1 into the scratch, then into the context's FP8 copies
-    out.g = impl.backward->g.get();
-    out.u = impl.backward->u.get();
-    out.shared_g = impl.shape.has_shared() ? impl.backward->shared_g.get() : nullptr;
-    out.shared_u = impl.shape.has_shared() ? impl.backward->shared_u.get() : nullptr;
-  }
+  // FP8: GEMM 1 into the scratch, then into the context's FP8 copies.
+  const megakernel::SavedContext out = is_fp8(impl) ? impl.backward->scratch_activations(ctx.saved) : ctx.saved;
   megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, out,
                                     options, stream);
   if (is_fp8(impl)) {

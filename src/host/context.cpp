@@ -39,10 +39,7 @@ Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream, Keep keep) {
   auto impl = new_context(ws, keep);
-  DeviceGuard guard(impl->device);
-  void* p = nullptr;
-  MOK_CUDA_CHECK(cudaMallocAsync(&p, impl->bytes, stream));
-  impl->base = static_cast<char*>(p);
+  impl->base = allocate_block(impl->bytes, impl->device, stream);
   impl->owned = true;
   impl->saved = megakernel::SavedContext::at(impl->base, impl->layout, ws.shape());
   return std::make_unique<Context>(std::move(impl));
@@ -50,42 +47,14 @@ std::unique_ptr<Context> Context::create(Workspace& ws, cudaStream_t stream, Kee
 
 std::unique_ptr<Context> Context::create(Workspace& ws, void* memory, size_t bytes, Keep keep) {
   auto impl = new_context(ws, keep);
-  if (memory == nullptr) throw_invalid("memory", "a device pointer to Context::bytes(shape, config) bytes", "nullptr");
-  if (reinterpret_cast<uintptr_t>(memory) % 256 != 0) {
-    throw_invalid("memory", "a 256-byte aligned device pointer", "a pointer at offset " +
-                                                                      std::to_string(reinterpret_cast<uintptr_t>(memory) % 256) +
-                                                                      " from 256-byte alignment");
-  }
-  if (bytes < impl->bytes) {
-    throw_invalid("bytes", "at least Context::bytes(shape, config, keep) = " + std::to_string(impl->bytes),
-                  std::to_string(bytes));
-  }
-  cudaPointerAttributes attr{};
-  MOK_CUDA_CHECK(cudaPointerGetAttributes(&attr, memory));
-  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
-    throw_invalid("memory", "device memory of device " + std::to_string(impl->device), "host or unregistered memory");
-  }
-  if (attr.device != impl->device) {
-    throw_invalid("memory", "device memory of the workspace's device " + std::to_string(impl->device),
-                  "memory of device " + std::to_string(attr.device));
-  }
+  check_caller_block(memory, bytes, impl->bytes, impl->device, "Context::bytes(shape, config, keep)");
   impl->base = static_cast<char*>(memory);
   impl->saved = megakernel::SavedContext::at(impl->base, impl->layout, ws.shape());
   return std::make_unique<Context>(std::move(impl));
 }
 
-// cudaFree, not cudaFreeAsync on the stream of the last use: the caller may have destroyed that
-// stream by now (bench_backward did, and the free on it crashed in the driver). cudaFree of a
-// stream-ordered allocation waits for the device's work first.
 Context::~Context() {
-  if (impl_ && impl_->owned && impl_->base != nullptr) {
-    int previous = -1;
-    cudaGetDevice(&previous);
-    cudaSetDevice(impl_->device);
-    const cudaError_t e = cudaFree(impl_->base);
-    if (e != cudaSuccess) std::fprintf(stderr, "mok: freeing a context: %s\n", cudaGetErrorString(e));
-    if (previous >= 0 && previous != impl_->device) cudaSetDevice(previous);
-  }
+  if (impl_ && impl_->owned) free_block(impl_->base, impl_->device, "a context");
 }
 
 size_t Context::bytes() const { return impl_->bytes; }

@@ -34,10 +34,7 @@ Fp8WeightCache::Fp8WeightCache(std::unique_ptr<Impl> impl) : impl_(std::move(imp
 
 std::unique_ptr<Fp8WeightCache> Fp8WeightCache::create(Workspace& ws, cudaStream_t stream) {
   auto impl = new_cache(ws);
-  DeviceGuard guard(impl->device);
-  void* p = nullptr;
-  MOK_CUDA_CHECK(cudaMallocAsync(&p, impl->bytes, stream));
-  impl->base = static_cast<char*>(p);
+  impl->base = allocate_block(impl->bytes, impl->device, stream);
   impl->owned = true;
   impl->views = megakernel::Fp8WeightViews::at(impl->base, impl->shape);
   return std::make_unique<Fp8WeightCache>(std::move(impl));
@@ -45,39 +42,14 @@ std::unique_ptr<Fp8WeightCache> Fp8WeightCache::create(Workspace& ws, cudaStream
 
 std::unique_ptr<Fp8WeightCache> Fp8WeightCache::create(Workspace& ws, void* memory, size_t bytes) {
   auto impl = new_cache(ws);
-  if (memory == nullptr) throw_invalid("memory", "a device pointer to Fp8WeightCache::bytes(shape) bytes", "nullptr");
-  if (reinterpret_cast<uintptr_t>(memory) % 256 != 0) {
-    throw_invalid("memory", "a 256-byte aligned device pointer",
-                  "a pointer at offset " + std::to_string(reinterpret_cast<uintptr_t>(memory) % 256) +
-                      " from 256-byte alignment");
-  }
-  if (bytes < impl->bytes) {
-    throw_invalid("bytes", "at least Fp8WeightCache::bytes(shape) = " + std::to_string(impl->bytes),
-                  std::to_string(bytes));
-  }
-  cudaPointerAttributes attr{};
-  MOK_CUDA_CHECK(cudaPointerGetAttributes(&attr, memory));
-  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != impl->device) {
-    throw_invalid("memory", "device memory of the workspace's device " + std::to_string(impl->device),
-                  attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
-                      ? "memory of device " + std::to_string(attr.device)
-                      : std::string("host or unregistered memory"));
-  }
+  check_caller_block(memory, bytes, impl->bytes, impl->device, "Fp8WeightCache::bytes(shape)");
   impl->base = static_cast<char*>(memory);
   impl->views = megakernel::Fp8WeightViews::at(impl->base, impl->shape);
   return std::make_unique<Fp8WeightCache>(std::move(impl));
 }
 
-// cudaFree (it waits for the device's work), as ~Context.
 Fp8WeightCache::~Fp8WeightCache() {
-  if (impl_ && impl_->owned && impl_->base != nullptr) {
-    int previous = -1;
-    cudaGetDevice(&previous);
-    cudaSetDevice(impl_->device);
-    const cudaError_t e = cudaFree(impl_->base);
-    if (e != cudaSuccess) std::fprintf(stderr, "mok: freeing an Fp8WeightCache: %s\n", cudaGetErrorString(e));
-    if (previous >= 0 && previous != impl_->device) cudaSetDevice(previous);
-  }
+  if (impl_ && impl_->owned) free_block(impl_->base, impl_->device, "an Fp8WeightCache");
 }
 
 void Fp8WeightCache::update(const ExpertWeights& w, cudaStream_t stream) {

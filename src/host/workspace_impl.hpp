@@ -8,6 +8,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <string>
 
 #include "comm/comm_state.hpp"
 #include "comm/simulated_group.hpp"
@@ -80,6 +81,19 @@ struct Workspace::Impl {
   comm::SimulatedGroup* simulated = nullptr;
   int simulated_rank = -1;
 };
+
+// The memory block of a Context or an Fp8WeightCache (include/mok/api.hpp), device_block.cpp.
+// The caller's block: throws kInvalidArgument unless `memory` is a 256-byte aligned pointer to at
+// least `needed` bytes of device memory of `device`; `size_call` names the function that sizes it
+// ("Context::bytes(shape, config, keep)").
+void check_caller_block(const void* memory, size_t bytes, size_t needed, int device, const std::string& size_call);
+// mok's block: `bytes` allocated stream-ordered on `stream` (cudaMallocAsync) on `device`.
+char* allocate_block(size_t bytes, int device, cudaStream_t stream);
+// Frees mok's block with cudaFree on its device (not cudaFreeAsync on the stream of its last use: the
+// caller may have destroyed that stream by now, bench_backward did and the free on it crashed in the
+// driver; cudaFree of a stream-ordered allocation waits for the device's work first). Never throws;
+// an error is printed naming `what`.
+void free_block(char* base, int device, const char* what) noexcept;
 
 // Makes `device` current for the scope (API calls may come from any thread/device).
 class DeviceGuard {

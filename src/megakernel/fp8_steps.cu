@@ -30,15 +30,15 @@ __global__ void poison_if_any(const gemm::NonFiniteRecord* records, int n, uint3
   }
 }
 
-// 1x128 rows along `cols` of [rows, cols] bf16 `x` into `q` (live rows: all, or *limit).
-void quantize_rows(const bf16* x, int64_t rows, int64_t cols, const Fp8Codes& q, const int64_t* limit,
+// 1x128 rows along `cols` of [rows, cols] bf16 `x` into `to` (live rows: all, or *limit).
+void quantize_rows(const bf16* x, int64_t rows, int64_t cols, Fp8Saved to, const int64_t* limit,
                    gemm::NonFiniteRecord* rec, cudaStream_t stream) {
   gemm::QuantizeRowsArgs a;
   a.x = x;
   a.rows = rows;
   a.cols = cols;
-  a.codes = q.codes.get();
-  a.scales = q.scales.get();
+  a.codes = to.codes;
+  a.scales = to.scales;
   a.nonfinite = rec;
   a.rows_limit = limit;
   gemm::quantize_rows_1x128(a, stream);
@@ -85,7 +85,8 @@ gemm::Segments shared_segments(ForwardBuffers& fwd) {
 
 const char* fp8_tensor_name(int t) {
   static const char* const names[kFp8Tensors] = {
-      "x (a token's row; in a recompute, a row of the routed buffer)", "h (a routed row)", "x (shared expert)", "h (shared expert)",
+      "x (a token's row; in a recompute, a row of the routed buffer)", "h (a routed row)", "x (shared expert)",
+      "h (shared expert)",
       "g or u (a routed row, kept in FP8)", "g or u (shared expert, kept in FP8)",
       "dy (a pulled row of the routed buffer)", "dg or du (a routed row)", "hs (a routed row)",
       "dy (shared expert)", "dg or du (shared expert)", "hs (shared expert)",
@@ -279,18 +280,6 @@ std::vector<GuRows> halves(const LayerShape& s, const ForwardBuffers& fwd, const
   return h;
 }
 
-void quantize_into(const bf16* x, const GuRows& h, Fp8Saved to, gemm::NonFiniteRecord* rec, cudaStream_t stream) {
-  gemm::QuantizeRowsArgs a;
-  a.x = x;
-  a.rows = h.rows;
-  a.cols = h.cols;
-  a.codes = to.codes;
-  a.scales = to.scales;
-  a.nonfinite = rec;
-  a.rows_limit = h.live;
-  gemm::quantize_rows_1x128(a, stream);
-}
-
 void dequantize_from(Fp8Saved from, const GuRows& h, bf16* out, cudaStream_t stream) {
   gemm::DequantizeRowsArgs a;
   a.codes = from.codes;
@@ -310,8 +299,8 @@ void save_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm::
   int half = 0;
   for (const GuRows& h : halves(s, fwd, v, from, into)) {
     gemm::NonFiniteRecord* r = rec + (half++ == 0 ? kFp8Gu : kFp8SharedGu);
-    quantize_into(h.g, h, h.g8, r, stream);
-    quantize_into(h.u, h, h.u8, r, stream);
+    quantize_rows(h.g, h.rows, h.cols, h.g8, h.live, r, stream);
+    quantize_rows(h.u, h.rows, h.cols, h.u8, h.live, r, stream);
   }
 }
 
@@ -327,13 +316,13 @@ void round_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm:
                            const SavedContext& gu, cudaStream_t stream) {
   Fp8ForwardScratch& q = *fwd.fp8;
   SavedContext scratch;  // the FP8 round trip goes through h's buffers (free in a backward)
-  scratch.g8 = scratch.u8 = Fp8Saved{q.h.codes.get(), q.h.scales.get()};
-  scratch.shared_g8 = scratch.shared_u8 = Fp8Saved{q.shared_h.codes.get(), q.shared_h.scales.get()};
+  scratch.g8 = scratch.u8 = q.h.out();
+  scratch.shared_g8 = scratch.shared_u8 = q.shared_h.out();
   int half = 0;
   for (const GuRows& h : halves(s, fwd, v, gu, scratch)) {
     gemm::NonFiniteRecord* r = q.records.get() + (half++ == 0 ? kFp8Gu : kFp8SharedGu);
     for (bf16* t : {h.g, h.u}) {  // one after the other through the same scratch (stream-ordered)
-      quantize_into(t, h, h.g8, r, stream);
+      quantize_rows(t, h.rows, h.cols, h.g8, h.live, r, stream);
       dequantize_from(h.g8, h, t, stream);
     }
   }
@@ -350,7 +339,7 @@ void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Seg
   gemm::NonFiniteRecord* rec = q.records.get();
   if (shared) {
     const gemm::Segments sseg = shared_segments(fwd);
-    quantize_rows(fwd.shared_x.get(), fwd.shared_rows, s.hidden, q.shared_x, nullptr, rec + kFp8SharedX, stream);
+    quantize_rows(fwd.shared_x.get(), fwd.shared_rows, s.hidden, q.shared_x.out(), nullptr, rec + kFp8SharedX, stream);
     gemm::Gemm1SwigluFp8Args g1{sseg, s.hidden, s.shared_intermediate, q.shared_x.rows(), w.shared_gate().w,
                                 w.shared_up().w, save.shared_g, save.shared_u, nullptr, q.shared_h.codes.get(),
                                 q.shared_h.scales.get(), rec + kFp8SharedH};
@@ -362,7 +351,9 @@ void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Seg
     }
     return;
   }
-  if (dispatched == nullptr) quantize_rows(x_rows, seg.buffer_rows, s.hidden, q.x, live_rows, rec + kFp8X, stream);
+  if (dispatched == nullptr) {
+    quantize_rows(x_rows, seg.buffer_rows, s.hidden, q.x.out(), live_rows, rec + kFp8X, stream);
+  }
   const gemm::Fp8Rows x = dispatched != nullptr ? *dispatched : q.x.rows();
   gemm::Gemm1SwigluFp8Args g1{seg, s.hidden, s.intermediate, x, w.gate().w, w.up().w, save.g, save.u,
                               nullptr, q.h.codes.get(), q.h.scales.get(), rec + kFp8H};
@@ -383,7 +374,8 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
     const gemm::Segments seg = shared_segments(fwd);
     const int64_t S = s.shared_intermediate;
     if (dh) {
-      quantize_rows(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy, nullptr, rec + kFp8SharedDy, stream);
+      quantize_rows(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy.out(), nullptr, rec + kFp8SharedDy,
+                    stream);
       gemm::DgradHiddenFp8Args a{seg, s.hidden, S, q.shared_dy.rows(), w.shared_down().w_t, saved.shared_g,
                                  saved.shared_u, out.shared_dg, out.shared_du};
       a.dg_codes = q.shared_dg.codes.get();
@@ -402,7 +394,7 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
   }
   const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
   if (dh) {
-    quantize_rows(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, q.dy, padded_rows(saved.schedule), rec + kFp8Dy,
+    quantize_rows(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, q.dy.out(), padded_rows(saved.schedule), rec + kFp8Dy,
                   stream);
     gemm::DgradHiddenFp8Args a{seg, s.hidden, s.intermediate, q.dy.rows(), w.down().w_t, saved.g, saved.u, out.dg,
                                out.du};

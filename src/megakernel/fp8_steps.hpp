@@ -96,6 +96,7 @@ struct Fp8Codes {
   Fp8Codes() = default;
   Fp8Codes(int64_t rows, int64_t cols);  // rows a multiple of 128
   gemm::Fp8Rows rows() const { return {codes.get(), scales.get()}; }
+  Fp8Saved out() const { return {codes.get(), scales.get()}; }  // where a quantizer writes them
   size_t bytes() const { return codes.bytes() + scales.bytes(); }
 };
 struct Fp8ForwardScratch {

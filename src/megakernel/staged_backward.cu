@@ -223,6 +223,14 @@ size_t BackwardBuffers::bytes() const {
          (fp8 ? fp8->bytes() : 0);
 }
 
+SavedContext BackwardBuffers::scratch_activations(SavedContext c) const {
+  c.g = g.get();
+  c.u = u.get();
+  c.shared_g = shared_g.get();  // nullptr without a shared expert (an empty buffer)
+  c.shared_u = shared_u.get();
+  return c;
+}
+
 GradInputs GradInputs::scratch(BackwardBuffers& bwd) {
   GradInputs g;
   g.dg = bwd.dg.get();
@@ -244,6 +252,14 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const int64_t T = v.tokens, H = s.hidden, I = s.intermediate, S = s.shared_intermediate;  // this call's T
   const int64_t R = bwd.buffer_rows;
   const gemm::Launch launch = gemm_launch(fwd, o.gemm_grid, o.timeout_s);
+  // The K-grouped weight gradients of the shared or the routed experts, in FP8 or bf16.
+  auto weight_grads = [&](bool shared) {
+    if (o.fp8 != nullptr && o.fp8->fp8_wgrad) {
+      backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, shared, launch, stream);
+    } else {
+      gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, shared), launch, stream);
+    }
+  };
 
   // Shared expert: dy unscaled, its weight gradients over this rank's tokens. hs first: dg, du
   // may overwrite g, u (a deferring backward keeps them in the context in place of g, u).
@@ -272,13 +288,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
                           launch, stream);
       }
     }
-    if (parts & kSharedWgrad) {
-      if (o.fp8 != nullptr && o.fp8->fp8_wgrad) {
-        backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, true, launch, stream);
-      } else {
-        gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, true), launch, stream);
-      }
-    }
+    if (parts & kSharedWgrad) weight_grads(true);
   }
 
   // Routed experts (hs first, as above).
@@ -306,13 +316,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
                         launch, stream);
     }
   }
-  if (parts & kRoutedWgrad) {
-    if (o.fp8 != nullptr && o.fp8->fp8_wgrad) {
-      backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, false, launch, stream);
-    } else {
-      gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, false), launch, stream);
-    }
-  }
+  if (parts & kRoutedWgrad) weight_grads(false);
 }
 
 gemm::WgradArgs backward_wgrad_args(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
@@ -404,25 +408,16 @@ SavedContext backward_prologue(comm::CommState& state, ForwardBuffers& fwd, Back
   // the gate/up weight gradients) and dy rows over the forward's routing table.
   check_router_weights(state, args.topk_w, v.tokens, stream);
   stage_and_pull(state, fwd, bwd, v, args, o, /*weights=*/true, stream, pull_dy);
-  // A routing-only context: g, u (shared g, u) again from the x rows, GEMM 1 of the forward.
-  SavedContext used = saved;
-  if (o.fp8 != nullptr) {  // FP8: the GEMMs read g, u from the recompute scratch, dequantized or recomputed
-    used.g = bwd.g.get();
-    used.u = bwd.u.get();
-    used.shared_g = s.has_shared() ? bwd.shared_g.get() : nullptr;
-    used.shared_u = s.has_shared() ? bwd.shared_u.get() : nullptr;
-    if (saved.g8.codes != nullptr) {
-      load_activations_fp8(s, fwd, v, saved, used, stream);
-    } else {
-      run_gemm1(state, fwd, bwd, used, x_rows_of(state, bwd), w, o, stream);
-      round_activations_fp8(s, fwd, v, used, stream);  // the bits of a context that kept them
-    }
-  } else if (saved.g == nullptr) {
-    used.g = bwd.g.get();
-    used.u = bwd.u.get();
-    used.shared_g = s.has_shared() ? bwd.shared_g.get() : nullptr;
-    used.shared_u = s.has_shared() ? bwd.shared_u.get() : nullptr;
+  // The GEMMs read g, u (shared g, u) from the context, or from the recompute scratch: a routing-only
+  // context's again from the x rows (GEMM 1 of the forward; in FP8 then rounded through FP8, the bits
+  // of a context that kept them), an FP8 context's dequantized.
+  if (o.fp8 == nullptr && saved.g != nullptr) return saved;
+  const SavedContext used = bwd.scratch_activations(saved);
+  if (saved.g8.codes != nullptr) {
+    load_activations_fp8(s, fwd, v, saved, used, stream);
+  } else {
     run_gemm1(state, fwd, bwd, used, x_rows_of(state, bwd), w, o, stream);
+    if (o.fp8 != nullptr) round_activations_fp8(s, fwd, v, used, stream);
   }
   return used;
 }

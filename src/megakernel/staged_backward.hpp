@@ -46,6 +46,9 @@ struct BackwardBuffers {
   comm::DeviceBuffer<bf16> shared_g, shared_u;  // [shared_rows, I_shared]
   std::unique_ptr<Fp8BackwardScratch> fp8;
   size_t bytes() const;
+  // `c` with its g, u (shared g, u) in the recompute scratch above: where a recompute writes them (and
+  // where FP8 passes keep their bf16 g, u: GEMM 1's outputs, the dequantized context).
+  SavedContext scratch_activations(SavedContext c) const;
 };
 
 // Where dg, du and hs (routed and shared) go: the backward's scratch, or (a deferring backward)
