@@ -23,23 +23,7 @@ namespace {
 void expect_matches_reference(const BwdCase& c, const Problem& p, const std::vector<std::vector<uint16_t>>& dy,
                               const std::vector<RankGrads>& got) {
   const LayerShape& s = p.shape;
-  const ref::Gradients expect = ref::backward(s, bwd_config(s), p.weights, p.inputs, dy, nullptr);
-  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
-  for (int r = 0; r < s.ep; ++r) {
-    const RankGrads& g = got[r];
-    EXPECT_LT(rel_norm_bits(g.dx, expect.dx[r]), 1e-2) << c.name << " dx rank " << r;
-    EXPECT_LT(rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()), 1e-2) << c.name << " dtopk_w rank " << r;
-    const size_t first = r * el * per;
-    EXPECT_LT(rel_norm_f(g.dgate, expect.dgate.data() + first, el * per), 1e-2) << c.name << " dW_gate rank " << r;
-    EXPECT_LT(rel_norm_f(g.dup, expect.dup.data() + first, el * per), 1e-2) << c.name << " dW_up rank " << r;
-    EXPECT_LT(rel_norm_f(g.ddown, expect.ddown.data() + first, el * per), 1e-2) << c.name << " dW_down rank " << r;
-    if (s.has_shared()) {
-      const size_t n = size_t(s.shared_intermediate) * s.hidden;
-      EXPECT_LT(rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), n), 1e-2) << c.name << " shared dW_gate rank " << r;
-      EXPECT_LT(rel_norm_f(g.sdup, expect.shared_dup[r].data(), n), 1e-2) << c.name << " shared dW_up rank " << r;
-      EXPECT_LT(rel_norm_f(g.sddown, expect.shared_ddown[r].data(), n), 1e-2) << c.name << " shared dW_down rank " << r;
-    }
-  }
+  expect_grads_within(c.name, s, ref::backward(s, bwd_config(s), p.weights, p.inputs, dy, nullptr), got, 1e-2);
 }
 
 // Every case against the CPU reference on both engines (the fused one and its staged oracle),
@@ -159,48 +143,12 @@ TEST(BackwardDeterminism, D2KnobsGiveTheSameBits) {
   }
 }
 
-// D3: the same global batch over ep 1, 2, 4, 8 gives the same dx, d topk_w and routed weight
+// D3: the same global batch over ep 1, 2, 4, 8 gives the same y, dx, d topk_w and routed weight
 // gradients (the shared expert's are per-rank partial sums).
 TEST(BackwardDeterminism, D3EpSplitGivesTheSameBits) {
   MOK_REQUIRE_RANKS(1);
-  const BwdCase& c = bwd_cases()[2];
   const LayerShape s8 = with_ep(LayerShape{512, 128, 128, 64, 16, 4, 1}, 8);
-  const Problem p8 = make_problem(s8, c.pattern, 95);
-  std::vector<uint16_t> dy_all;
-  {
-    const auto dy8 = make_dy(s8, 96);
-    for (const auto& v : dy8) dy_all.insert(dy_all.end(), v.begin(), v.end());
-  }
-  std::vector<uint16_t> dx1;
-  std::vector<float> dtopk1, dgate1, dup1, ddown1;
-  for (int ep : {1, 2, 4, 8}) {
-    if (!can_run_ep(ep)) continue;
-    const Problem p = resplit(p8, ep);
-    const LayerShape& s = p.shape;
-    std::vector<std::vector<uint16_t>> dy(ep);
-    const size_t per = size_t(s.tokens) * s.hidden;
-    for (int r = 0; r < ep; ++r) dy[r].assign(dy_all.begin() + r * per, dy_all.begin() + (r + 1) * per);
-    Config cfg = bwd_config(s);
-    const auto got = run_backward(p, dy, cfg, {});
-    std::vector<uint16_t> dx;
-    std::vector<float> dtopk, dgate, dup, ddown;
-    for (int r = 0; r < ep; ++r) {
-      dx.insert(dx.end(), got[0][r].dx.begin(), got[0][r].dx.end());
-      dtopk.insert(dtopk.end(), got[0][r].dtopk_w.begin(), got[0][r].dtopk_w.end());
-      dgate.insert(dgate.end(), got[0][r].dgate.begin(), got[0][r].dgate.end());
-      dup.insert(dup.end(), got[0][r].dup.begin(), got[0][r].dup.end());
-      ddown.insert(ddown.end(), got[0][r].ddown.begin(), got[0][r].ddown.end());
-    }
-    if (ep == 1) {
-      dx1 = dx, dtopk1 = dtopk, dgate1 = dgate, dup1 = dup, ddown1 = ddown;
-      continue;
-    }
-    EXPECT_EQ(dx, dx1) << "dx, ep " << ep;
-    EXPECT_TRUE(same_f32(dtopk, dtopk1)) << "d topk_w, ep " << ep;
-    EXPECT_TRUE(same_f32(dgate, dgate1)) << "dW_gate, ep " << ep;
-    EXPECT_TRUE(same_f32(dup, dup1)) << "dW_up, ep " << ep;
-    EXPECT_TRUE(same_f32(ddown, ddown1)) << "dW_down, ep " << ep;
-  }
+  expect_ep_split_same_bits(make_problem(s8, bwd_cases()[2].pattern, 95), 96, bwd_config);
 }
 
 // Two layers whose forwards both run before either backward: each backward gives the bits of

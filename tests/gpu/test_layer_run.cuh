@@ -374,5 +374,65 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
   return out;
 }
 
+// Every rank's dx, d topk_w and weight gradients (routed: this rank's experts of the global view;
+// shared: the rank's partial sums) within `tol` relative norm of `expect`'s; `name` starts the messages.
+void expect_grads_within(const std::string& name, const LayerShape& s, const ref::Gradients& expect,
+                         const std::vector<RankGrads>& got, double tol) {
+  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
+  for (int r = 0; r < s.ep; ++r) {
+    const RankGrads& g = got[r];
+    const std::string rank = " rank " + std::to_string(r);
+    EXPECT_LT(rel_norm_bits(g.dx, expect.dx[r]), tol) << name << " dx" << rank;
+    EXPECT_LT(rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()), tol) << name << " dtopk_w" << rank;
+    const size_t first = r * el * per;
+    EXPECT_LT(rel_norm_f(g.dgate, expect.dgate.data() + first, el * per), tol) << name << " dW_gate" << rank;
+    EXPECT_LT(rel_norm_f(g.dup, expect.dup.data() + first, el * per), tol) << name << " dW_up" << rank;
+    EXPECT_LT(rel_norm_f(g.ddown, expect.ddown.data() + first, el * per), tol) << name << " dW_down" << rank;
+    if (s.has_shared()) {
+      const size_t n = size_t(s.shared_intermediate) * s.hidden;
+      EXPECT_LT(rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), n), tol) << name << " shared dW_gate" << rank;
+      EXPECT_LT(rel_norm_f(g.sdup, expect.shared_dup[r].data(), n), tol) << name << " shared dW_up" << rank;
+      EXPECT_LT(rel_norm_f(g.sddown, expect.shared_ddown[r].data(), n), tol) << name << " shared dW_down" << rank;
+    }
+  }
+}
+
+// D3: the global batch of `p8` (an EP 8 problem) and dy from `dy_seed`, re-split over ep 1, 2, 4, 8
+// (those that run here), gives y, dx, d topk_w and the routed weight gradients of ep 1 bit for bit
+// (the shared expert's are per-rank partial sums, outside D3). `config` makes each EP's Config.
+void expect_ep_split_same_bits(const Problem& p8, uint64_t dy_seed, Config (*config)(const LayerShape&)) {
+  std::vector<uint16_t> dy_all;
+  for (const auto& v : make_dy(p8.shape, dy_seed)) dy_all.insert(dy_all.end(), v.begin(), v.end());
+  RankGrads one;
+  for (int ep : {1, 2, 4, 8}) {
+    if (!can_run_ep(ep)) continue;
+    const Problem p = resplit(p8, ep);
+    const LayerShape& s = p.shape;
+    std::vector<std::vector<uint16_t>> dy(ep);
+    const size_t per = size_t(s.tokens) * s.hidden;
+    for (int r = 0; r < ep; ++r) dy[r].assign(dy_all.begin() + r * per, dy_all.begin() + (r + 1) * per);
+    const auto got = run_backward(p, dy, config(s), {});
+    RankGrads all;
+    for (const RankGrads& g : got[0]) {
+      all.y.insert(all.y.end(), g.y.begin(), g.y.end());
+      all.dx.insert(all.dx.end(), g.dx.begin(), g.dx.end());
+      all.dtopk_w.insert(all.dtopk_w.end(), g.dtopk_w.begin(), g.dtopk_w.end());
+      all.dgate.insert(all.dgate.end(), g.dgate.begin(), g.dgate.end());
+      all.dup.insert(all.dup.end(), g.dup.begin(), g.dup.end());
+      all.ddown.insert(all.ddown.end(), g.ddown.begin(), g.ddown.end());
+    }
+    if (ep == 1) {
+      one = all;
+      continue;
+    }
+    EXPECT_EQ(all.y, one.y) << "y, ep " << ep;
+    EXPECT_EQ(all.dx, one.dx) << "dx, ep " << ep;
+    EXPECT_TRUE(same_f32(all.dtopk_w, one.dtopk_w)) << "d topk_w, ep " << ep;
+    EXPECT_TRUE(same_f32(all.dgate, one.dgate)) << "dW_gate, ep " << ep;
+    EXPECT_TRUE(same_f32(all.dup, one.dup)) << "dW_up, ep " << ep;
+    EXPECT_TRUE(same_f32(all.ddown, one.ddown)) << "dW_down, ep " << ep;
+  }
+}
+
 }  // namespace
 }  // namespace mok::test

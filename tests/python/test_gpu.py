@@ -248,8 +248,9 @@ def test_tokens_change_between_calls():
         m(x.to(DEV), idx.to(DEV), w.to(DEV))
 
 
-def test_compile_fullgraph_matches_eager_bitwise():
-    m, x, idx, w, _ = make_layer()
+def check_compile_fullgraph_matches_eager(config=None):
+    """torch.compile(fullgraph=True) of the layer gives the eager bits (y, dx, d topk_w, every weight gradient)."""
+    m, x, idx, w, _ = make_layer(config=config)
     dy = dy_like(x)
     eager = fwd_bwd(m, x, idx, w, dy)
     compiled = torch.compile(m, fullgraph=True)
@@ -259,6 +260,10 @@ def test_compile_fullgraph_matches_eager_bitwise():
     y.backward(dy)
     out = {"y": y.detach(), "dx": xg.grad, "dtw": wg.grad, **{n: getattr(m, n).grad for n in names_of(m)}}
     assert_bitwise(eager, out, "torch.compile(fullgraph=True)")
+
+
+def test_compile_fullgraph_matches_eager_bitwise():
+    check_compile_fullgraph_matches_eager()
 
 
 def test_compile_a_block_with_router_and_main_grad():
