@@ -1,10 +1,17 @@
 // The FP8 layer (Config::precision kFp8Block, docs/fp8.md "The FP8 layer") on the GPU against the FP8
-// CPU reference (ref::forward_fp8 / backward_fp8): every output and gradient within 2e-3 relative
-// norm (the engines differ only in the order of the sum inside each 128-wide K block), and
-// D1-D3 bit for bit. Outputs are poisoned before each pass (test_layer_run.cuh).
+// CPU reference (ref::forward_fp8 / backward_fp8): every output and gradient within the layer's
+// numerics contract (1e-2 relative norm, as the bf16 layer against ref::backward), and D1-D3 bit
+// for bit. Each expert GEMM alone matches the reference within 2e-3 (test_gemm_fp8.cu, ~6e-4); the
+// layer sits further off because the engines' sums inside a 128-wide K block differ in order, which
+// moves some bf16 intermediates (g, u, h, dg, du, hs) by an ulp, and requantizing such a value to
+// e4m3 (3 mantissa bits) can move its code by a whole e4m3 step (docs/fp8.md, "Accuracy"). Every
+// case prints its largest distance per tensor. Outputs are poisoned before each pass
+// (test_layer_run.cuh).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <mutex>
 #include <string>
 
@@ -13,13 +20,39 @@
 namespace mok::test {
 namespace {
 
-constexpr double kTol = 2e-3;
+constexpr double kTol = 1e-2;
 
 Config fp8_config(const LayerShape& s, bool fp8_wgrad = true) {
   Config c = bwd_config(s);
   c.precision = Precision::kFp8Block;
   c.fp8_weight_grads = fp8_wgrad;
   return c;
+}
+
+// One line per case: the largest relative norm over the ranks of y, dx, d topk_w, the routed weight
+// gradients and the shared ones (the figures docs/fp8.md quotes).
+void report_distances(const std::string& name, const LayerShape& s, const ref::ForwardResult& fwd,
+                      const ref::Gradients& expect, const std::vector<RankGrads>& got) {
+  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
+  const size_t sn = size_t(s.shared_intermediate) * s.hidden;
+  double y = 0, dx = 0, dt = 0, dw = 0, sdw = 0;
+  for (int r = 0; r < s.ep; ++r) {
+    const RankGrads& g = got[r];
+    const size_t first = r * el * per;
+    y = std::max(y, rel_norm_bits(g.y, fwd.y[r]));
+    dx = std::max(dx, rel_norm_bits(g.dx, expect.dx[r]));
+    dt = std::max(dt, rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()));
+    dw = std::max({dw, rel_norm_f(g.dgate, expect.dgate.data() + first, el * per),
+                   rel_norm_f(g.dup, expect.dup.data() + first, el * per),
+                   rel_norm_f(g.ddown, expect.ddown.data() + first, el * per)});
+    if (s.has_shared()) {
+      sdw = std::max({sdw, rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), sn),
+                      rel_norm_f(g.sdup, expect.shared_dup[r].data(), sn),
+                      rel_norm_f(g.sddown, expect.shared_ddown[r].data(), sn)});
+    }
+  }
+  std::printf("[ DISTANCE ] %s ep %d vs the FP8 reference: y %.2e dx %.2e dtopk_w %.2e dW %.2e shared dW %.2e\n",
+              name.c_str(), s.ep, y, dx, dt, dw, sdw);
 }
 
 void expect_matches_fp8_reference(const std::string& name, const Problem& p,
@@ -35,6 +68,7 @@ void expect_matches_fp8_reference(const std::string& name, const Problem& p,
     EXPECT_LT(rel_norm_bits(got[r].y, fwd.y[r]), kTol) << name << " rank " << r << " y";
   }
   expect_grads_within(name, s, expect, got, kTol);
+  report_distances(name, s, fwd, expect, got);
 }
 
 // Every case of the backward tests (T not a multiple of 128, H = 2880 with a partial 128-block,

@@ -259,3 +259,21 @@ def test_block_in_two_lines_with_compile():
     y.float().sum().backward()
     assert moe.w1.grad is not None and router.gate.weight.grad is not None
     assert torch.equal(y, block(x))
+
+
+def test_fp8_copies_tell_a_new_weight_at_a_freed_address():
+    """The FP8 weight copies' staleness test (docs/python.md, "FP8"): a new tensor that the allocator puts where a freed
+    weight was has the same address and version counter 0, so only its storage tells it apart."""
+    from mok.torch._runtime import _same_storages, _storage_refs
+
+    w = [torch.randn(8, 8), None, torch.randn(4)]
+    refs = _storage_refs(w)
+    assert _same_storages(refs, w)
+    assert _same_storages(refs, [w[0].view(64), None, w[2]])  # a view of the same weight: the same copies
+    assert not _same_storages(refs, [w[0].clone(), None, w[2]])
+    assert not _same_storages(refs, [w[0], torch.randn(2), w[2]])
+    assert not _same_storages(refs, w[:2])
+    del w[0]
+    w.insert(0, torch.randn(8, 8))  # the old storage is gone
+    assert not _same_storages(refs, w)
+    assert not _same_storages((), w)

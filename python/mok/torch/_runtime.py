@@ -290,6 +290,7 @@ class Fp8Weights:
                   ctypes.byref(handle))
         self.handle = handle
         self.versions: tuple | None = None  # the weights' _version at the last eager update; None: quantize next use
+        self.storages: tuple = ()  # weak references to the storages they were quantized from (_same_storages)
         self.captured = False  # a captured graph quantizes into these copies on replay
 
     def destroy(self) -> None:
@@ -305,12 +306,33 @@ def _version(t: torch.Tensor | None):
     return object() if t.is_inference() else t._version
 
 
+def _storage_refs(weights: list) -> tuple:
+    """Weak references to the weights' storages: they tell a live weight from a new tensor that the allocator
+    placed at a freed weight's address (same pointer, same version counter 0, other values)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return tuple(None if t is None else StorageWeakRef(t.untyped_storage()) for t in weights)
+
+
+def _same_storages(refs: tuple, weights: list) -> bool:
+    """True when every weight still lives in the storage its copies were quantized from."""
+    if len(refs) != len(weights):
+        return False
+    for ref, t in zip(refs, weights):
+        if (ref is None) != (t is None):
+            return False
+        if t is not None and (ref.expired() or ref.cdata != t.untyped_storage()._cdata):
+            return False
+    return True
+
+
 def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream: ctypes.c_void_p,
                     forward: bool) -> ctypes.c_void_p:
     """The handle of the layer's FP8 copies on ``ws``, current for ``weights`` once ``stream`` gets there.
 
-    Eager calls quantize when the copies are new or a weight's address or version counter (``_version``, bumped by
-    every in-place write torch sees: optimizer steps, copy_, load_state_dict) moved since the last quantization.
+    Eager calls quantize when the copies are new or a weight's address, storage or version counter (``_version``,
+    bumped by every in-place write torch sees: optimizer steps, copy_, load_state_dict) moved since the last
+    quantization. The storage check catches a new layer whose weights the caching allocator put where a freed
+    layer's were: the same addresses and version counters (0), other values.
     A forward being captured into a CUDA graph always enqueues the quantization (stream-ordered before the pass):
     the replays then re-quantize whatever the weights hold by then, since a replayed optimizer step moves no
     version counter; for the same reason every eager forward re-quantizes copies that a graph also writes. A
@@ -332,10 +354,11 @@ def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream
             entry = ws.fp8_weights[ptrs] = Fp8Weights(ws, torch.device("cuda", ws.device))
     for old in stale:
         old.destroy()
+    changed = entry.versions != versions or not _same_storages(entry.storages, weights)
     if capture:
-        update = forward or (not entry.captured and entry.versions != versions)
+        update = forward or (not entry.captured and changed)
     else:
-        update = entry.versions != versions or (forward and entry.captured)
+        update = changed or (forward and entry.captured)
     if update:
         _lib.call("mok_fp8_weights_update", entry.handle, ctypes.byref(w), stream)
         fp8_update_count += 1
@@ -343,6 +366,7 @@ def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream
             entry.captured, entry.versions = True, None  # not run yet: the first eager call after it quantizes
         else:
             entry.versions = versions
+        entry.storages = _storage_refs(weights)
     return entry.handle
 
 
