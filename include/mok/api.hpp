@@ -46,7 +46,8 @@ struct ExpertWeights {
   int64_t gate_expert_stride = 0, up_expert_stride = 0, down_expert_stride = 0;
   // Config::precision kFp8Block: the FP8 copies of these weights (Fp8WeightCache::update after each
   // change of the weights); nullptr: the pass quantizes the weights itself, on every call (the same
-  // bits, more time). Ignored in bf16.
+  // bits, more time), into the workspace's own copies, which its first such pass allocates (about the
+  // bf16 weights' bytes; not while the stream is being captured). Ignored in bf16.
   const Fp8WeightCache* fp8 = nullptr;
 };
 

@@ -200,13 +200,19 @@ void wgrad_fp8(const WgradFp8Args& a, const Launch& launch, cudaStream_t stream)
     pp.m = static_cast<int>(pr.m);
     pp.n = static_cast<int>(pr.n);
     pp.out = pr.out;
-    if (pr.out_stride != 0 && (a.mode == WgradOut::kPartialFp32 || pr.out_stride < pr.m * pr.n || pr.out_stride % 2 != 0)) {
+    // bf16 output goes out by TMA: its expert stride must be a multiple of 16 bytes.
+    const int64_t stride_multiple = a.mode == WgradOut::kWriteBf16 ? 8 : 2;
+    if (pr.out_stride != 0 &&
+        (a.mode == WgradOut::kPartialFp32 || pr.out_stride < pr.m * pr.n || pr.out_stride % stride_multiple != 0)) {
       throw_invalid(n + "out_stride",
-                    "0 (dense), or with mode kWriteBf16 / kAccumulateFp32 an even number >= m*n = " +
+                    "0 (dense), or with mode kWriteBf16 (a multiple of 8) / kAccumulateFp32 (even) a number >= m*n = " +
                         std::to_string(pr.m * pr.n),
                     std::to_string(pr.out_stride));
     }
     pp.out_stride = pr.out_stride != 0 ? pr.out_stride : pr.m * pr.n;
+    if (a.mode == WgradOut::kWriteBf16) {
+      pp.out_map = host::map_bf16(pr.out, a.seg.experts, pr.m, pr.n, 64, 64, (n + "out").c_str(), pp.out_stride);
+    }
     p.sched.m_tiles[q] = static_cast<int>(blocks_of(pr.m));
     p.sched.n_tiles[q] = static_cast<int>(blocks_of(pr.n));
   }

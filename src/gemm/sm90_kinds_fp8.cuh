@@ -325,14 +325,18 @@ using DgradHiddenRoutedFp8Kind = DgradHiddenFp8KindT<C, true>;
 // scale block of both, and B's scales vary per output column (Fp8TileConfig<.., ColScales>).
 // Tile 128 x 128 over (problem, expert, m, n) as the bf16 wgrad's scheduler; the K range is the
 // expert's segment rows in 128-row steps from its start (its real rows rounded up: padding rows
-// are zero codes). Epilogue: predicated global stores per fragment pair (fp32 sums, fp32 main
-// grad += sums, or bf16).
+// are zero codes). Epilogue: bf16 output through the staging boxes and TMA stores (as the row
+// kinds; the store of a tile overlaps the next tile's loads and wgmmas: at DeepSeek-V3 sizes an
+// expert has 2 K steps of 128 rows per tile, so predicated per-thread global stores made the kind
+// 1.7x slower than the bf16 wgrad, bench_gemm 2026-12-07); fp32 sums and fp32 main grad += sums
+// by predicated global stores per fragment pair.
 struct WgradFp8ProblemParams {
   CUtensorMap a, b;                // codes [M or N, rows], box 128 x 128
   CUtensorMap a_scales, b_scales;  // fp32 [rows / 128, M or N], box 128 x 1
   int m, n;
   void* out;                       // [E, M, N]: fp32 (sums / main grad) or bf16
   int64_t out_stride;              // elements from expert e's [M, N] block to e+1's
+  CUtensorMap out_map;             // bf16 output: out as [E, M, N], box 64 x 64 x 1 (TMA stores)
 };
 struct WgradFp8Params {
   WgradFp8ProblemParams problems[kMaxWgradProblems];
@@ -378,14 +382,17 @@ struct WgradFp8Kind {
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
     const Problem& pr = problem(p, t);
+    if constexpr (Mode == kWgradWriteBf16) {
+      store_round<0, 0>(ctx, [&](int i) { return pack_bf16x2(acc(i), acc(i + 1)); },
+                        Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < cute::size(acc); i += 2) {
       const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2), n = 128 * t.n_tile + ctx.col(i / 4);
       if (m >= pr.m || n >= pr.n) continue;
       const int64_t off = int64_t{t.expert} * pr.out_stride + int64_t{m} * pr.n + n;
-      if constexpr (Mode == kWgradWriteBf16) {
-        reinterpret_cast<uint32_t*>(pr.out)[off / 2] = pack_bf16x2(acc(i), acc(i + 1));
-      } else {
+      {
         float2* o = reinterpret_cast<float2*>(static_cast<float*>(pr.out) + off);
         float2 v = make_float2(acc(i), acc(i + 1));
         if constexpr (Mode == kWgradAccumulateFp32) {

@@ -62,8 +62,11 @@ Context::Impl& context_of(Workspace::Impl& impl, Context* ctx, const char* argum
 }
 
 // Config::precision kFp8Block: the pass's weight copies, the caller's cache (ExpertWeights::fp8), or
-// else the workspace's own, quantized now from the bf16 weights (the same bits, more time).
-megakernel::Fp8Pass fp8_pass(Workspace::Impl& impl, const ExpertWeights& w, cudaStream_t stream) {
+// else the workspace's own, quantized now from the bf16 weights (the same bits, more time). The own
+// copies are allocated by the first pass that needs them (about the bf16 weights' bytes: a caller
+// with a cache, such as the PyTorch layer, never pays for them), which must not be captured.
+megakernel::Fp8Pass fp8_pass(Workspace& ws, const ExpertWeights& w, cudaStream_t stream) {
+  Workspace::Impl& impl = ws.impl();
   megakernel::Fp8Pass pass;
   pass.fp8_wgrad = impl.config.fp8_weight_grads;
   pass.dispatch_fp8 = impl.fp8_dispatch;
@@ -76,6 +79,17 @@ megakernel::Fp8Pass fp8_pass(Workspace::Impl& impl, const ExpertWeights& w, cuda
     if (!cache.ready) throw_invalid("ExpertWeights.fp8", "a cache that update() has filled", "a cache never updated");
     pass.weights = &cache.views;
   } else {
+    if (!impl.own_fp8) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      if (capture != cudaStreamCaptureStatusNone) {
+        throw_invalid("ExpertWeights.fp8",
+                      "an Fp8WeightCache while the stream is being captured (the workspace's own FP8 weight copies are "
+                      "allocated by its first FP8 pass without one: run a pass before capturing, or pass a cache)",
+                      "nullptr");
+      }
+      impl.own_fp8 = Fp8WeightCache::create(ws, stream);
+    }
     impl.own_fp8->update(w, stream);
     pass.weights = &impl.own_fp8->impl().views;
   }
@@ -112,7 +126,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     options.timeout_s = impl.config.wait_timeout_s;
     megakernel::Fp8Pass pass;
     if (is_fp8(impl)) {  // FP8 runs the staged launches with the FP8 GEMM kinds (config.hpp)
-      pass = fp8_pass(impl, weights, stream);
+      pass = fp8_pass(ws, weights, stream);
       options.fp8 = &pass;
     }
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
@@ -198,7 +212,7 @@ void backward(Workspace& ws, const BackwardArgs& args, const ExpertWeights& weig
   const megakernel::GradInputs* into = args.defer_weight_grads ? &defer : nullptr;
   if (is_fp8(impl)) {  // FP8 runs the staged launches with the FP8 GEMM kinds (config.hpp)
     megakernel::StagedBackwardOptions options = backward_options(impl);
-    const megakernel::Fp8Pass pass = fp8_pass(impl, weights, stream);
+    const megakernel::Fp8Pass pass = fp8_pass(ws, weights, stream);
     options.fp8 = &pass;
     megakernel::staged_backward(*impl.state, *impl.forward, *impl.backward, as_saved(ctx), args, weights, grads,
                                 options, stream, into);
@@ -248,7 +262,7 @@ void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const Exp
   megakernel::StagedBackwardOptions options = backward_options(impl);
   megakernel::Fp8Pass pass;
   if (is_fp8(impl)) {
-    pass = fp8_pass(impl, weights, stream);
+    pass = fp8_pass(ws, weights, stream);
     options.fp8 = &pass;
   }
   // FP8: GEMM 1 into the scratch, then into the context's FP8 copies.

@@ -51,8 +51,6 @@ void finish_impl(Workspace::Impl& impl, int64_t resident) {
 // The workspace's own context (forwards given none), then a device sync as above.
 void add_own_context(Workspace& ws) {
   ws.impl().own_context = Context::create(ws, cudaStream_t{nullptr});
-  // FP8: the weight copies of passes given no cache (ExpertWeights::fp8 nullptr), quantized per call.
-  if (ws.config().precision == Precision::kFp8Block) ws.impl().own_fp8 = Fp8WeightCache::create(ws, cudaStream_t{nullptr});
   MOK_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -648,6 +648,31 @@ void test_wgrad_fp8(const Shape& s, uint32_t seed) {
     for (size_t i = 0; i < want.size(); ++i) want[i] = init[q][i] + first[q][i];
     expect_bitwise_equal(out[q].download(), want, "wgrad_fp8 accumulate problem " + std::to_string(q));
   }
+  // bf16 output (TMA stores) with an expert stride of m*n + 64 elements: bf16(sums) in each expert's
+  // block, the 64 elements between the blocks untouched.
+  std::vector<DeviceBuffer<uint16_t>> out16;
+  for (int q = 0; q < 2; ++q) {
+    out16.emplace_back(static_cast<size_t>(E * (ms[q] * ns[q] + 64)));
+    out16[q].poison();
+    args.problems[q].out = out16[q].ptr;
+    args.problems[q].out_stride = ms[q] * ns[q] + 64;
+  }
+  args.mode = gemm::WgradOut::kWriteBf16;
+  gemm::wgrad_fp8(args, {0, d_err.ptr, 10.0, 0}, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int q = 0; q < 2; ++q) {
+    const int64_t mn = ms[q] * ns[q], stride = mn + 64;
+    std::vector<uint16_t> want(static_cast<size_t>(E * stride), 0xFFFF);
+    for (int e = 0; e < E; ++e)
+      for (int64_t i = 0; i < mn; ++i) want[e * stride + i] = to_bf16(first[q][e * mn + i]);
+    const std::vector<uint16_t> got = out16[q].download();
+    size_t bad = 0, first_bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i] != want[i] && bad++ == 0) first_bad = i;
+    }
+    EXPECT_EQ(bad, 0u) << "wgrad_fp8 bf16 problem " << q << ": first difference at element " << first_bad << " (got 0x"
+                       << std::hex << got[first_bad] << ", want 0x" << want[first_bad] << ")";
+  }
 }
 
 TEST(GemmFp8, WgradPartialBlocks) { SKIP_WITHOUT_GPU(); test_wgrad_fp8({{70, 0, 129, 300}, {0, 0, 1, 0}, 192, 320}, 51); }
