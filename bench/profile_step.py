@@ -1,11 +1,12 @@
 """Per-kernel CUDA time of one mok layer step (forward + backward) from torch.profiler: where a step's time goes.
 
-    python bench/profile_step.py --shapes qwen3,gptoss --engines mok,mok_fp8 [--requant] [--top 22]
+    python bench/profile_step.py --shapes qwen3,gptoss --engines mok,mok_fp8,mok_fp8_bf16wgrad [--requant] [--top 22]
 
 The shapes are mok.bench's (EP 1, uniform routing, its seeded problem). Each engine runs 3 untimed steps, then 3
 profiled ones; the table lists each kernel's CUDA time per step (summed over its launches) and its launches per step,
-largest first. mok_fp8 runs Config(precision="fp8"); --requant marks its weight copies stale before every step (a
-step right after an optimizer update: the weights are re-quantized in its forward). Needs a GPU and PyTorch.
+largest first. mok_fp8 runs Config(precision="fp8"), mok_fp8_bf16wgrad the same with fp8_weight_grads=False;
+--requant marks their weight copies stale before every step (a step right after an optimizer update: the weights are
+re-quantized in its forward). Needs a GPU and PyTorch.
 """
 import argparse
 
@@ -19,7 +20,7 @@ from mok.bench import SHAPES, make_problem
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3,gptoss")
-    ap.add_argument("--engines", default="mok,mok_fp8", help="of mok, mok_fp8")
+    ap.add_argument("--engines", default="mok,mok_fp8", help="of mok, mok_fp8, mok_fp8_bf16wgrad")
     ap.add_argument("--requant", action="store_true", help="mok_fp8: re-quantize the weights every step")
     ap.add_argument("--top", type=int, default=22, help="kernels listed per engine")
     a = ap.parse_args()
@@ -30,9 +31,13 @@ def main() -> None:
         shared = [w.get("shared_w1"), w.get("shared_w2"), w.get("shared_w3")]
         leaves = [x, tw, *w.values()]
         for eng in a.engines.split(","):
-            fp8 = eng == "mok_fp8"
-            spec = mok.torch.layer_spec(sh.hidden, sh.intermediate, sh.experts, sh.topk, sh.shared,
-                                        config=mok.Config(max_tokens=sh.tokens, precision="fp8" if fp8 else "bf16"))
+            if eng not in ("mok", "mok_fp8", "mok_fp8_bf16wgrad"):
+                raise SystemExit(f"--engines: unknown engine {eng!r}")
+            fp8 = eng != "mok"
+            config = mok.Config(max_tokens=sh.tokens, precision="fp8" if fp8 else "bf16")
+            if eng == "mok_fp8_bf16wgrad":
+                config = mok.Config(max_tokens=sh.tokens, precision="fp8", fp8_weight_grads=False)
+            spec = mok.torch.layer_spec(sh.hidden, sh.intermediate, sh.experts, sh.topk, sh.shared, config=config)
 
             def step():
                 for t in leaves:

@@ -19,7 +19,7 @@ within 2 % of A's?), writes the plot and the JSON, and exits 1 if a check fails.
 
 --precision fp8 runs mok's layers with block-scaled FP8 expert GEMMs (mok.torch.MoE(precision="fp8"), docs/fp8.md;
 on the CPU the layer's FP8 emulation); the torch engine, --check's yardstick included, stays bf16. The JSON records
-the precision.
+the precision. --fp8-weight-grads bf16 keeps the weight-gradient GEMMs of the FP8 layers in bf16.
 """
 
 from __future__ import annotations
@@ -235,7 +235,8 @@ class Block(nn.Module):
     """Pre-norm: h + attn(norm(h)), then h + MoE(norm(h)) with a softmax top-k router. The router and the
     experts run outside autocast: fp32 router scores, bf16 experts (mok's contract)."""
 
-    def __init__(self, c: ModelConfig, engine: str, torch_impl: str, precision: str = "bf16"):
+    def __init__(self, c: ModelConfig, engine: str, torch_impl: str, precision: str = "bf16",
+                 fp8_weight_grads: bool = True):
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(c.d_model), nn.RMSNorm(c.d_model)
         self.attn = Attention(c.d_model, c.heads)
@@ -243,7 +244,8 @@ class Block(nn.Module):
         if engine == "mok":
             config = mok.Config(max_tokens=c.seq * c.batch, capacity=c.capacity)
             self.moe = mok.torch.MoE(c.d_model, c.intermediate, c.experts, c.topk, c.shared, config=config,
-                                     precision=precision)
+                                     precision=precision,
+                                     fp8_weight_grads=fp8_weight_grads if precision != "bf16" else None)
         else:
             self.moe = PlainMoE(c.d_model, c.intermediate, c.experts, c.topk, c.shared, impl=torch_impl)
 
@@ -257,14 +259,17 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, c: ModelConfig, engine: str, torch_impl: str = "auto", precision: str = "bf16"):
-        """precision: mok's expert GEMMs (engine "mok"): "bf16" or "fp8"; the torch engine computes in bf16."""
+    def __init__(self, c: ModelConfig, engine: str, torch_impl: str = "auto", precision: str = "bf16",
+                 fp8_weight_grads: bool = True):
+        """precision: mok's expert GEMMs (engine "mok"): "bf16" or "fp8"; the torch engine computes in bf16.
+        fp8_weight_grads: with fp8, the weight-gradient GEMMs in FP8 (True) or bf16."""
         super().__init__()
         if c.d_model % c.heads or (c.d_model // c.heads) % 2:
             raise SystemExit(f"train_lm: d_model {c.d_model} must split into {c.heads} heads of an even size")
         self.config = c
         self.embed = nn.Embedding(c.vocab, c.d_model)
-        self.blocks = nn.ModuleList(Block(c, engine, torch_impl, precision) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(Block(c, engine, torch_impl, precision, fp8_weight_grads)
+                                    for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         cos, sin = rope_tables(c.seq, c.d_model // c.heads, "cpu")
@@ -542,7 +547,7 @@ def train(args, d: Dist, corpus: Corpus, engine: str, label: str, *, resume: Pat
     torch.manual_seed(args.seed)
     cfg = model_config(args, d)
     precision = run_precision(args, engine)
-    model = MoELM(cfg, engine, args.torch_impl, precision)
+    model = MoELM(cfg, engine, args.torch_impl, precision, args.fp8_weight_grads == "fp8")
     init_weights(model, args.seed, d.rank)
     model.to(d.device)
     trainer = Trainer(model, args, d)
@@ -786,6 +791,8 @@ def parse_args(argv=None):
     g.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
                    help="mok's expert GEMMs: bf16, or fp8 (block-scaled, docs/fp8.md; CUDA only); the torch engine "
                         "stays bf16")
+    g.add_argument("--fp8-weight-grads", choices=("fp8", "bf16"), default="fp8",
+                   help="with --precision fp8: the weight-gradient GEMMs in FP8 (default) or bf16 (Config.fp8_weight_grads)")
     m = p.add_argument_group("model and data (defaults from the preset)")
     sizes = (("layers", int, "transformer blocks"), ("d-model", int, "hidden size H (mok: a multiple of 64)"),
              ("heads", int, "attention heads"), ("experts", int, "routed experts E (a multiple of the world size)"),
