@@ -159,9 +159,14 @@ def test_cuda_graph_of_the_whole_step_requantizes_on_replay():
         mok.torch.check()
         eager_opt.zero_grad(set_to_none=True)
         y = eager(x, idx, w.clone().requires_grad_())
+        if not torch.equal(sy, y.detach()):
+            # Which side is stale: the eager layer's weights (those the replay read) re-quantized once more.
+            mok.torch.mark_fp8_weights_stale()
+            again = forward(eager, x, idx, w)
+            pytest.fail(f"step {step}: y of the replay differs from eager; the eager layer re-quantized gives its own y "
+                        f"again: {torch.equal(again, y.detach())}, the replay's: {torch.equal(again, sy)}")
         y.backward(dy)
         eager_opt.step()
-        assert torch.equal(sy, y.detach()), f"step {step}: y of the replay differs from eager"
         for n in names_of(graphed):
             assert torch.equal(getattr(graphed, n), getattr(eager, n)), f"step {step}: {n} after the step differs"
     # eager calls after replays re-quantize (mok cannot see what a replay did to the weights)
