@@ -122,8 +122,9 @@ class Workspace {
   // the staging copy.
   bf16* x_staging();
   // Device memory this workspace holds: the symmetric window, the schedule, the forward's and
-  // the backward's scratch and its own context (Context::bytes). Each further Context adds
-  // Context::bytes(shape, config).
+  // the backward's scratch and its own context (Context::bytes), and with FP8, once a pass ran
+  // without an Fp8WeightCache, its own weight copies (Fp8WeightCache::bytes). Each further
+  // Context adds Context::bytes(shape, config).
   size_t device_bytes() const;
   // Synchronises the workspace's last stream and throws the first device-side error
   // (capacity overflow, bad expert id, wait timeout) as mok::Error.
