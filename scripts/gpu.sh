@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 BIN=.devbin
 BUILD=${BUILD:-build}
 GPU_STEPS="info tests sanitizers torchrun demo soak python"
-GPU_STEPS+=" bench-gemm bench-forward bench-backward bench-comm bench-python train trace"
+GPU_STEPS+=" bench-gemm bench-forward bench-backward bench-comm bench-python profile train trace"
 ALL="info tests sanitizers torchrun demo soak python"
 SKIP=77  # a step function returns this when it does not apply
 
@@ -42,6 +42,8 @@ GPU machine (carry .devbin; each step's log goes to \$OUT/<step>.log, else to .d
   bench-backward  bench_backward --shapes dsv3,qwen3,gptoss --grad-mode bf16 -> \$OUT/bench-backward.json
   bench-comm      bench_comm --ctas 8,16,24,32 -> \$OUT/bench-comm.json
   bench-python    python -m mok.bench --shapes dsv3,qwen3,gptoss (records and torch_step.png in \$OUT)
+  profile         bench/profile_step.py --shapes qwen3,gptoss --engines mok,mok_fp8,mok_fp8_bf16wgrad: CUDA time
+                  per kernel of one layer step (where an FP8 or bf16 step's time goes)
   train           examples/train_lm.py --check --steps \$TRAIN_STEPS (default 300), curves in \$OUT
   trace           the trace build's bench_forward --shapes dsv3,qwen3,gptoss --comm 16 --iters 3 --trace,
                   read by scripts/forward_trace.py (needs TRACE=1 at build)
@@ -232,6 +234,11 @@ step_bench_python() {
   local args; read -ra args <<< "${BENCH_ARGS---shapes dsv3,qwen3,gptoss}"
   sub bench-python 300 "${TORCHRUN[@]}" -m mok.bench "${args[@]}" --results-dir "$OUTDIR" \
     --plot "$OUTDIR/torch_step.png"
+}
+
+step_profile() {
+  local args; read -ra args <<< "${BENCH_ARGS---shapes qwen3,gptoss --engines mok,mok_fp8,mok_fp8_bf16wgrad}"
+  sub profile 300 "$PY" bench/profile_step.py "${args[@]}"
 }
 
 step_train() {
