@@ -6,7 +6,7 @@ per-tile code (epilogues, task hand-out, the producer at its 40 registers) cost 
 loads and stores per tile; one in the loop that issues the wgmma batches costs at every K step.
 This disassembles the named objects (cuobjdump -sass) and prints, for every kernel with wgmma,
 the local loads and stores (LDL, STL) within the address range of the innermost loop (backward
-branch) around each HGMMA, and the others. The range is an upper bound: it also holds code that
+branch) around each HGMMA or QGMMA (FP8), and the others. The range is an upper bound: it also holds code that
 the K loop runs once per tile behind a branch (the standalone dgrad kinds look their next tile
 up there), so a spill listed "in" a K loop is to be read in the listing before it is believed.
 --strict: exit 1 when any is listed there.
@@ -77,7 +77,7 @@ def check(name, body):
             loops.append((int(m.group(1), 16), addr))
     inner = set()
     for addr, text in body:
-        if "HGMMA" in text:
+        if "HGMMA" in text or "QGMMA" in text:  # bf16 and FP8 (e4m3) wgmma
             around = [lp for lp in loops if lp[0] <= addr <= lp[1]]
             if around:
                 inner.add(min(around, key=lambda lp: lp[1] - lp[0]))
