@@ -232,6 +232,31 @@ def test_group_column_scales_run_along_each_groups_tokens():
     assert torch.isfinite(scale).all() and (q[64:80].float() == 0).all()
 
 
+def test_fused_quantizers_give_the_eager_bits():
+    """The torch.compile'd quantizers the layer uses on a GPU (FUSED_QUANTIZATION), compiled here for the CPU: the
+    eager quantizers' codes and scales bit for bit, contiguous whatever the input's strides (transposed views: the
+    copy fused into the cast), the group-column codes transposed."""
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(3, 48, 64, generator=g) * torch.logspace(-3, 3, 64)).to(torch.bfloat16)
+    w[1, 5] = 0
+    rowwise = plain_fp8._compiled_fn(plain_fp8._rowwise_direct)
+    for t in (w, w.transpose(-2, -1), w[0], w[0].t()):
+        q, scale = rowwise(t, -1)
+        want_q, want_scale = plain_fp8.quantize_rowwise(t.contiguous(), -1)
+        assert q.is_contiguous() and q.shape == t.shape
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    sizes = [16, 48, 16, 32]
+    t = torch.randn(sum(sizes), 40, generator=g).to(torch.bfloat16)
+    t[64:80] = 0  # group 2: padding only
+    row_group = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    qt, scale = plain_fp8._compiled_fn(plain_fp8._group_columns_t_direct)(t, row_group, 4)
+    want_q, want_scale = plain_fp8._quantize_group_columns(t, row_group, 4)
+    assert qt.is_contiguous() and qt.shape == (40, sum(sizes))
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(qt.view(torch.uint8), want_q.t().contiguous().view(torch.uint8))
+
+
 def test_dimensions_that_the_fp8_kernels_cannot_take_are_refused(emulated):
     x = torch.randn(T, 120).to(torch.bfloat16)
     idx, tw = routing(T, E, K, seed=1)

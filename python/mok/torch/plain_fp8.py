@@ -27,9 +27,12 @@ needs and which add nothing).
 Quantization (``quantize_rowwise``): amax = max |v| over the reduction dimension, scale = max(amax, 1e-12) / 448
 (fp32; the floor keeps all-zero rows, the padding among them, finite), q = e4m3(clamp(v / scale, -448, 448))
 (a saturating cast: torch's plain cast would give NaN beyond 448). The GEMM's epilogue multiplies by both
-scales. Differences from torchao, on purpose: torchao rounds scales down to a power of two (this layer keeps
-the exact amax / 448), and quantizes with fused Triton kernels (here eager PyTorch: a few extra passes over
-memory per GEMM, so the baseline's quantization costs more time than torchao's; its GEMMs are the same).
+scales. On a GPU each quantization is one function compiled by ``torch.compile`` (``FUSED_QUANTIZATION``):
+Triton kernels that read the bf16 operand once for its amax and once for the codes, transposing on the way
+where the GEMM wants the other layout, as torchao's fused Triton casts do (the eager version, kept for the CPU
+and as the definition, makes fp32 temporaries and transposed bf16 copies: on dsv3 its quantization took most
+of a 438 ms step, 2026-12-07). Both give the same bits (a CPU test compares them). Difference from torchao, on
+purpose: torchao rounds scales down to a power of two (this layer keeps the exact amax / 448).
 Like torchao the kernels run with ``use_fast_accum=True`` (Hopper's FP8 accumulation without the periodic
 promotion to fp32; ``fast_accum=False`` promotes).
 
@@ -136,6 +139,57 @@ def _quantize_group_columns(t: Tensor, row_group: Tensor, groups: int) -> tuple[
     return q, scale
 
 
+# ---- fused quantization (torch.compile) ---------------------------------------------------------------------
+
+FUSED_QUANTIZATION = True  # CUDA tensors: the compiled quantizers below; False: the eager ones (to time them)
+_compiled: dict = {}
+
+
+def _rowwise_direct(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """quantize_rowwise's values in one expression for torch.compile: q contiguous in t's shape, whatever t's strides
+    (a transposed view comes out transposed in memory: the copy fused into the cast)."""
+    amax = t.abs().amax(dim=dim, keepdim=True).float()
+    scale = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+    q = (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
+    return q, scale
+
+
+def _group_columns_t_direct(t: Tensor, row_group: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """_quantize_group_columns' values, the codes transposed: (q^T [C, M] contiguous, scale [groups, C])."""
+    M, C = t.shape
+    block_amax = t.view(M // GROUP_ROWS, GROUP_ROWS, C).abs().amax(dim=1).float()
+    block_group = row_group[::GROUP_ROWS].unsqueeze(1).expand(-1, C)
+    amax = block_amax.new_zeros(groups, C).scatter_reduce_(0, block_group, block_amax, "amax")
+    scale = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+    q = (t.float() / scale[row_group]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.t().contiguous(), scale
+
+
+def _compiled_fn(fn):
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
+def _fused(t: Tensor) -> bool:
+    return FUSED_QUANTIZATION and t.is_cuda
+
+
+def _rowwise(t: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """(q contiguous in t's shape, scale) of any view t: the compiled quantizer on a GPU, else the eager one."""
+    if _fused(t):
+        return _compiled_fn(_rowwise_direct)(t, dim)
+    return quantize_rowwise(t.contiguous(), dim)
+
+
+def _group_columns_t(t: Tensor, row_group: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """(q^T [C, M] contiguous, scale [groups, C]) of t [M, C] in expert row groups (the wgrad operands)."""
+    if _fused(t):
+        return _compiled_fn(_group_columns_t_direct)(t, row_group, groups)
+    q, scale = _quantize_group_columns(t, row_group, groups)
+    return q.t().contiguous(), scale
+
+
 # ---- the GEMMs -----------------------------------------------------------------------------------------------
 
 def _grouped_mm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, offs: Tensor, fast_accum: bool) -> Tensor:
@@ -149,8 +203,8 @@ class _GroupedLinearFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, row_group: Tensor, fast_accum: bool) -> Tensor:
         x = x.contiguous()
-        xq, xs = quantize_rowwise(x)                    # [M, K], [M, 1]: along K
-        wq, ws = quantize_rowwise(w)                    # [G, N, K], [G, N, 1]: along K
+        xq, xs = _rowwise(x)                            # [M, K], [M, 1]: along K
+        wq, ws = _rowwise(w)                            # [G, N, K], [G, N, 1]: along K
         ctx.save_for_backward(x, w, offs, row_group)
         ctx.fast_accum = fast_accum
         # [M, K] row-major @ [G, K, N] column-major -> [M, N]
@@ -162,18 +216,17 @@ class _GroupedLinearFp8(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq, dys = quantize_rowwise(dy)                                     # [M, N], [M, 1]: along N
-            wtq, wts = quantize_rowwise(w.transpose(-2, -1).contiguous())       # [G, K, N], [G, K, 1]: along N
+            dyq, dys = _rowwise(dy)                                             # [M, N], [M, 1]: along N
+            wtq, wts = _rowwise(w.transpose(-2, -1))                            # [G, K, N], [G, K, 1]: along N
             # [M, N] row-major @ [G, N, K] column-major -> [M, K]
             dx = _grouped_mm(dyq, wtq.transpose(-2, -1), dys.squeeze(-1), wts.squeeze(-1), offs,
                              ctx.fast_accum).to(x.dtype)
         if ctx.needs_input_grad[1]:
             G = w.shape[0]
-            dyq, dys = _quantize_group_columns(dy, row_group, G)                # [M, N], [G, N]: group's tokens
-            xq, xs = _quantize_group_columns(x, row_group, G)                   # [M, K], [G, K]: group's tokens
+            dyqt, dys = _group_columns_t(dy, row_group, G)                      # [N, M], [G, N]: group's tokens
+            xqt, xs = _group_columns_t(x, row_group, G)                         # [K, M], [G, K]: group's tokens
             # [N, M] row-major @ [M, K] column-major, K-groups along M -> [G, N, K]
-            dw = _grouped_mm(dyq.t().contiguous(), xq.t().contiguous().t(), dys.reshape(-1), xs.reshape(-1), offs,
-                             ctx.fast_accum).to(w.dtype)
+            dw = _grouped_mm(dyqt, xqt.t(), dys.reshape(-1), xs.reshape(-1), offs, ctx.fast_accum).to(w.dtype)
         return dx, dw, None, None, None
 
 
@@ -188,8 +241,8 @@ class _LinearFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, fast_accum: bool) -> Tensor:
         x = x.contiguous()
-        xq, xs = quantize_rowwise(x)                    # [T, K], [T, 1]
-        wq, ws = quantize_rowwise(w)                    # [N, K], [N, 1]
+        xq, xs = _rowwise(x)                            # [T, K], [T, 1]
+        wq, ws = _rowwise(w)                            # [N, K], [N, 1]
         ctx.save_for_backward(x, w)
         ctx.fast_accum = fast_accum
         return _dense_mm(xq, wq.t(), xs, ws.view(1, -1), fast_accum)
@@ -200,15 +253,15 @@ class _LinearFp8(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq, dys = quantize_rowwise(dy)                         # [T, N], [T, 1]: along N
-            wtq, wts = quantize_rowwise(w.t().contiguous())         # [K, N], [K, 1]: along N
+            dyq, dys = _rowwise(dy)                                 # [T, N], [T, 1]: along N
+            wtq, wts = _rowwise(w.t())                              # [K, N], [K, 1]: along N
             dx = _dense_mm(dyq, wtq.t(), dys, wts.view(1, -1), ctx.fast_accum).to(x.dtype)
         if ctx.needs_input_grad[1]:
             pad = -x.shape[0] % GROUP_ROWS                          # the reduction (token) dim: a multiple of 16
-            dyt = F.pad(dy, (0, 0, 0, pad)).t().contiguous()        # [N, T']
-            xt = F.pad(x, (0, 0, 0, pad)).t().contiguous()          # [K, T']
-            dytq, dyts = quantize_rowwise(dyt)                      # along the tokens, per output feature
-            xtq, xts = quantize_rowwise(xt)                         # along the tokens, per input feature
+            dyt = F.pad(dy, (0, 0, 0, pad)).t()                     # [N, T'] (a view)
+            xt = F.pad(x, (0, 0, 0, pad)).t()                       # [K, T']
+            dytq, dyts = _rowwise(dyt)                              # along the tokens, per output feature
+            xtq, xts = _rowwise(xt)                                 # along the tokens, per input feature
             dw = _dense_mm(dytq, xtq.t(), dyts, xts.view(1, -1), ctx.fast_accum).to(w.dtype)
         return dx, dw, None
 
