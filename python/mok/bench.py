@@ -387,8 +387,9 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
         try:
             for p in args.passes:
                 metrics[f"{name}_{p}_ms"] = time_pass(p, fn, leaves, dy, timer, args.warmup, args.iters)
-            if name == "mok_fp8" and "fwd" in args.passes:
-                # What a weight update adds: the forward that re-quantizes the copies, minus one that does not.
+            if name == "mok_fp8" and "fwd" in args.passes and device.type == "cuda":
+                # What a weight update adds: the forward that re-quantizes the copies, minus one that does not
+                # (the CPU path keeps no copies).
                 requant = time_pass("fwd", run_fp8_after_update, leaves, dy, timer, args.warmup, args.iters)
                 metrics["mok_fp8_fwd_requant_ms"] = requant
                 metrics["mok_fp8_weight_update_ms"] = max(requant - metrics["mok_fp8_fwd_ms"], 0.0)
