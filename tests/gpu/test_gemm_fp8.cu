@@ -14,6 +14,7 @@
 
 #include "gemm/grouped_gemm_fp8.hpp"
 #include "mok/error.hpp"
+#include "reference/dense.hpp"
 #include "reference/fp8.hpp"
 #include "test_gemm_util.hpp"
 
@@ -95,6 +96,18 @@ DeviceBuffer<T> device(const std::vector<T>& v) {
   return d;
 }
 
+// Runs body(e, r) for every real row r of every expert e, the rows on all hardware threads: each
+// body writes only its row's reference values and its sums stay sequential, so the reference's bits
+// do not depend on the threads (the "Larger" cases took ~47 s each on one thread).
+template <class Body>
+void for_each_real_row(const SegmentLayout& l, Body body) {
+  std::vector<std::pair<int, int64_t>> rows;
+  for (int e = 0; e < static_cast<int>(l.rows.size()); ++e)
+    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r) rows.emplace_back(e, r);
+  ref::detail::parallel_for(static_cast<int64_t>(rows.size()), 0,
+                            [&](int64_t i) { body(rows[i].first, rows[i].second); });
+}
+
 void test_gemm2_fp8(const Shape& s, uint32_t seed) {
   const SegmentLayout l = make_layout(s.rows, s.extra);
   const int E = static_cast<int>(s.rows.size());
@@ -104,14 +117,14 @@ void test_gemm2_fp8(const Shape& s, uint32_t seed) {
 
   // Reference: ref::dot_fp8 per output, rounded to bf16; and the exact bf16-input product.
   std::vector<float> ref(R * H, 0.0f), exact(R * H, 0.0f);
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
-      for (int64_t n = 0; n < H; ++n) {
-        ref[r * H + n] = from_bf16(to_bf16(ref::dot_fp8(h.q, r, w.per_e[e], n)));
-        double d = 0;
-        for (int64_t c = 0; c < I; ++c) d += double(h.exact[r * I + c]) * w.exact[(e * H + n) * I + c];
-        exact[r * H + n] = static_cast<float>(d);
-      }
+  for_each_real_row(l, [&](int e, int64_t r) {
+    for (int64_t n = 0; n < H; ++n) {
+      ref[r * H + n] = from_bf16(to_bf16(ref::dot_fp8(h.q, r, w.per_e[e], n)));
+      double d = 0;
+      for (int64_t c = 0; c < I; ++c) d += double(h.exact[r * I + c]) * w.exact[(e * H + n) * I + c];
+      exact[r * H + n] = static_cast<float>(d);
+    }
+  });
 
   DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
   DeviceBuffer<uint32_t> d_err(1);
@@ -201,17 +214,17 @@ void test_dgrad_input_fp8(const Shape& s, uint32_t seed) {
   const QuantWeights wgt = transposed(wg, E, I, H), wut = transposed(wu, E, I, H);  // [E, H, I]
 
   std::vector<float> ref(R * H, 0.0f), exact(R * H, 0.0f);
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
-      for (int64_t n = 0; n < H; ++n) {
-        ref[r * H + n] = round_bf16(dot_fp8_ranges({{&dg.q, &wgt.per_e[e]}, {&du.q, &wut.per_e[e]}}, r, n));
-        double d = 0;
-        for (int64_t c = 0; c < I; ++c) {
-          d += double(dg.exact[r * I + c]) * wg.exact[(e * I + c) * H + n] +
-               double(du.exact[r * I + c]) * wu.exact[(e * I + c) * H + n];
-        }
-        exact[r * H + n] = static_cast<float>(d);
+  for_each_real_row(l, [&](int e, int64_t r) {
+    for (int64_t n = 0; n < H; ++n) {
+      ref[r * H + n] = round_bf16(dot_fp8_ranges({{&dg.q, &wgt.per_e[e]}, {&du.q, &wut.per_e[e]}}, r, n));
+      double d = 0;
+      for (int64_t c = 0; c < I; ++c) {
+        d += double(dg.exact[r * I + c]) * wg.exact[(e * I + c) * H + n] +
+             double(du.exact[r * I + c]) * wu.exact[(e * I + c) * H + n];
       }
+      exact[r * H + n] = static_cast<float>(d);
+    }
+  });
 
   DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
   DeviceBuffer<uint32_t> d_err(1);
@@ -292,16 +305,16 @@ void test_dgrad_hidden_fp8(const Shape& s, uint32_t seed, bool routed) {
   }
   const auto fg = to_float(g), fu = to_float(u);
   std::vector<float> ref_dg(R * I, 0.0f), ref_du(R * I, 0.0f), ref_dw(R, 0.0f);
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
-      for (int64_t i = 0; i < I; ++i) {
-        const float dhr = ref::dot_fp8(dys.q, r, wdt.per_e[e], i);
-        const float dh = routed ? row_w[r] * dhr : dhr;
-        const float gg = fg[r * I + i], uu = fu[r * I + i], sg = sigmoid_ref(gg);
-        ref_dg[r * I + i] = round_bf16(dh * uu * sg * (1.0f + gg * (1.0f - sg)));
-        ref_du[r * I + i] = round_bf16(dh * gg * sg);
-        ref_dw[r] += dhr * silu_mul_ref(gg, uu);
-      }
+  for_each_real_row(l, [&](int e, int64_t r) {
+    for (int64_t i = 0; i < I; ++i) {
+      const float dhr = ref::dot_fp8(dys.q, r, wdt.per_e[e], i);
+      const float dh = routed ? row_w[r] * dhr : dhr;
+      const float gg = fg[r * I + i], uu = fu[r * I + i], sg = sigmoid_ref(gg);
+      ref_dg[r * I + i] = round_bf16(dh * uu * sg * (1.0f + gg * (1.0f - sg)));
+      ref_du[r * I + i] = round_bf16(dh * gg * sg);
+      ref_dw[r] += dhr * silu_mul_ref(gg, uu);
+    }
+  });
 
   DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
   DeviceBuffer<uint32_t> d_err(1);
@@ -469,15 +482,15 @@ void test_gemm1_fp8(const Shape& s, uint32_t seed, bool poison_x_to_inf = false)
 
   // Reference g, u, h (padding rows zero).
   std::vector<float> rg(R * I, 0.0f), ru(R * I, 0.0f), rh(R * I, 0.0f);
-  for (int e = 0; e < E; ++e)
-    for (int64_t r = l.offsets[e]; r < l.offsets[e] + l.rows[e]; ++r)
-      for (int64_t i = 0; i < I; ++i) {
-        const float gv = round_bf16(ref::dot_fp8(x.q, r, wg.per_e[e], i));
-        const float uv = round_bf16(ref::dot_fp8(x.q, r, wu.per_e[e], i));
-        rg[r * I + i] = gv;
-        ru[r * I + i] = uv;
-        rh[r * I + i] = silu_mul_ref(gv, uv);
-      }
+  for_each_real_row(l, [&](int e, int64_t r) {
+    for (int64_t i = 0; i < I; ++i) {
+      const float gv = round_bf16(ref::dot_fp8(x.q, r, wg.per_e[e], i));
+      const float uv = round_bf16(ref::dot_fp8(x.q, r, wu.per_e[e], i));
+      rg[r * I + i] = gv;
+      ru[r * I + i] = uv;
+      rh[r * I + i] = silu_mul_ref(gv, uv);
+    }
+  });
 
   Gemm1Fp8Out first;
   for (int grid : kGrids) {
@@ -576,19 +589,20 @@ void test_wgrad_fp8(const Shape& s, uint32_t seed) {
     const int64_t M = ms[q], N = ns[q];
     ref[q].assign(E * M * N, 0.0f);
     exact[q].assign(E * M * N, 0.0f);
-    for (int e = 0; e < E; ++e) {
-      const int64_t off = l.offsets[e], len = l.seg_len(e);
-      if (len == 0) continue;
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) {
-          ref[q][(e * M + m) * N + n] =
-              ref::dot_fp8(a[q].q.data.data() + m * R + off, a[q].q.scales.data() + m * kb + off / 128,
-                           b[q].q.data.data() + n * R + off, b[q].q.scales.data() + n * kb + off / 128, len);
-          double d = 0;
-          for (int64_t r = off; r < off + len; ++r) d += double(a[q].exact[r * M + m]) * b[q].exact[r * N + n];
-          exact[q][(e * M + m) * N + n] = static_cast<float>(d);
-        }
-    }
+    // (expert, m) pairs on all hardware threads: each writes its own output row, sums sequential.
+    ref::detail::parallel_for(E * M, 0, [&](int64_t em) {
+      const int e = static_cast<int>(em / M);
+      const int64_t m = em % M, off = l.offsets[e], len = l.seg_len(e);
+      if (len == 0) return;
+      for (int64_t n = 0; n < N; ++n) {
+        ref[q][(e * M + m) * N + n] =
+            ref::dot_fp8(a[q].q.data.data() + m * R + off, a[q].q.scales.data() + m * kb + off / 128,
+                         b[q].q.data.data() + n * R + off, b[q].q.scales.data() + n * kb + off / 128, len);
+        double d = 0;
+        for (int64_t r = off; r < off + len; ++r) d += double(a[q].exact[r * M + m]) * b[q].exact[r * N + n];
+        exact[q][(e * M + m) * N + n] = static_cast<float>(d);
+      }
+    });
   }
   DeviceBuffer<int32_t> d_off = device(l.offsets), d_rows = device(l.rows);
   DeviceBuffer<uint32_t> d_err(1);
