@@ -305,5 +305,42 @@ TEST(Fp8Layer, MisusedCachesGetClearErrors) {
   });
 }
 
+// The workspace's own weight copies (passes given no Fp8WeightCache) are made by its first such pass,
+// not at creation, and not while the stream is being captured: a clear error, and the workspace
+// works afterwards.
+TEST(Fp8Layer, OwnWeightCopiesAreMadeByTheFirstPassWithoutACacheNeverWhileCapturing) {
+  MOK_REQUIRE_RANKS(1);
+  const LayerShape s = with_ep(bwd_cases()[1].shape, 1);
+  RankPool::get(1).run([&](bootstrap::LocalRank& r) {
+    cudaStream_t st = rank_stream();
+    auto ws = create_workspace(s, fp8_config(s), r);
+    const size_t before = ws->device_bytes();
+    const Problem p = make_problem(s, Pattern::kUniform, 16700);
+    RankData d = upload_rank(p, r.rank);
+    const ExpertWeights ew = d.weights();  // fp8 nullptr: the workspace's own copies
+    schedule(*ws, d.idx.get(), st);
+    MOK_CUDA_CHECK(cudaStreamSynchronize(st));
+    cudaStream_t cs;
+    MOK_CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    MOK_CUDA_CHECK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+    try {
+      forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, cs);
+      ADD_FAILURE() << "a first pass without a cache, captured";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("being captured"), std::string::npos) << e.what();
+    }
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(cs, &g);  // the capture may be invalidated: either way nothing runs
+    if (g != nullptr) cudaGraphDestroy(g);
+    cudaGetLastError();
+    EXPECT_EQ(ws->device_bytes(), before) << "no copies yet";
+    schedule(*ws, d.idx.get(), st);
+    forward(*ws, ForwardArgs{d.x.get(), d.w.get(), d.y.get()}, ew, st);
+    ws->check();
+    EXPECT_EQ(ws->device_bytes(), before + Fp8WeightCache::bytes(s)) << "the first pass made them";
+    MOK_CUDA_CHECK(cudaStreamDestroy(cs));
+  });
+}
+
 }  // namespace
 }  // namespace mok::test
