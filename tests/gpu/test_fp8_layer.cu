@@ -31,32 +31,6 @@ Config fp8_config(const LayerShape& s, bool fp8_wgrad = true) {
   return c;
 }
 
-// One line per case: the largest relative norm over the ranks of y, dx, d topk_w, the routed weight
-// gradients and the shared ones (the figures docs/fp8.md quotes).
-void report_distances(const std::string& name, const LayerShape& s, const ref::ForwardResult& fwd,
-                      const ref::Gradients& expect, const std::vector<RankGrads>& got) {
-  const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
-  const size_t sn = size_t(s.shared_intermediate) * s.hidden;
-  double y = 0, dx = 0, dt = 0, dw = 0, sdw = 0;
-  for (int r = 0; r < s.ep; ++r) {
-    const RankGrads& g = got[r];
-    const size_t first = r * el * per;
-    y = std::max(y, rel_norm_bits(g.y, fwd.y[r]));
-    dx = std::max(dx, rel_norm_bits(g.dx, expect.dx[r]));
-    dt = std::max(dt, rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()));
-    dw = std::max({dw, rel_norm_f(g.dgate, expect.dgate.data() + first, el * per),
-                   rel_norm_f(g.dup, expect.dup.data() + first, el * per),
-                   rel_norm_f(g.ddown, expect.ddown.data() + first, el * per)});
-    if (s.has_shared()) {
-      sdw = std::max({sdw, rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), sn),
-                      rel_norm_f(g.sdup, expect.shared_dup[r].data(), sn),
-                      rel_norm_f(g.sddown, expect.shared_ddown[r].data(), sn)});
-    }
-  }
-  std::printf("[ DISTANCE ] %s ep %d vs the FP8 reference: y %.2e dx %.2e dtopk_w %.2e dW %.2e shared dW %.2e\n",
-              name.c_str(), s.ep, y, dx, dt, dw, sdw);
-}
-
 void expect_matches_fp8_reference(const std::string& name, const Problem& p,
                                    const std::vector<std::vector<uint16_t>>& dy, const std::vector<RankGrads>& got,
                                    bool fp8_wgrad) {
@@ -66,11 +40,16 @@ void expect_matches_fp8_reference(const std::string& name, const Problem& p,
   recipe.fp8_wgrad = fp8_wgrad;
   const ref::ForwardResult fwd = ref::forward_fp8(s, cfg, p.weights, p.inputs, recipe);
   const ref::Gradients expect = ref::backward_fp8(s, cfg, p.weights, p.inputs, dy, &fwd.ctx, recipe);
+  double y = 0;
   for (int r = 0; r < s.ep; ++r) {
-    EXPECT_LT(rel_norm_bits(got[r].y, fwd.y[r]), kTol) << name << " rank " << r << " y";
+    const double v = rel_norm_bits(got[r].y, fwd.y[r]);
+    EXPECT_LT(v, kTol) << name << " rank " << r << " y";
+    y = std::max(y, v);
   }
-  expect_grads_within(name, s, expect, got, kTol);
-  report_distances(name, s, fwd, expect, got);
+  const GradDistances d = expect_grads_within(name, s, expect, got, kTol);
+  // One line per case: the largest distance over the ranks (the figures docs/fp8.md quotes).
+  std::printf("[ DISTANCE ] %s ep %d vs the FP8 reference: y %.2e dx %.2e dtopk_w %.2e dW %.2e shared dW %.2e\n",
+              name.c_str(), s.ep, y, d.dx, d.dtopk_w, d.dw, d.shared_dw);
 }
 
 // Every case of the backward tests (T not a multiple of 128, H = 2880 with a partial 128-block,

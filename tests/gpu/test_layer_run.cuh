@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -374,27 +376,39 @@ std::vector<std::vector<RankGrads>> run_backward(const Problem& p, const std::ve
   return out;
 }
 
+// The largest relative norm over the ranks of each gradient (routed and shared weight gradients:
+// the largest of their three matrices), as expect_grads_within measured them.
+struct GradDistances {
+  double dx = 0, dtopk_w = 0, dw = 0, shared_dw = 0;
+};
+
 // Every rank's dx, d topk_w and weight gradients (routed: this rank's experts of the global view;
 // shared: the rank's partial sums) within `tol` relative norm of `expect`'s; `name` starts the messages.
-void expect_grads_within(const std::string& name, const LayerShape& s, const ref::Gradients& expect,
-                         const std::vector<RankGrads>& got, double tol) {
+GradDistances expect_grads_within(const std::string& name, const LayerShape& s, const ref::Gradients& expect,
+                                  const std::vector<RankGrads>& got, double tol) {
   const size_t per = size_t(s.intermediate) * s.hidden, el = size_t(s.local_experts());
+  GradDistances d;
+  auto within = [&](double v, double& worst, const std::string& what) {
+    EXPECT_LT(v, tol) << name << " " << what;
+    worst = std::max(worst, v);
+  };
   for (int r = 0; r < s.ep; ++r) {
     const RankGrads& g = got[r];
     const std::string rank = " rank " + std::to_string(r);
-    EXPECT_LT(rel_norm_bits(g.dx, expect.dx[r]), tol) << name << " dx" << rank;
-    EXPECT_LT(rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()), tol) << name << " dtopk_w" << rank;
+    within(rel_norm_bits(g.dx, expect.dx[r]), d.dx, "dx" + rank);
+    within(rel_norm_f(g.dtopk_w, expect.dtopk_w[r].data(), g.dtopk_w.size()), d.dtopk_w, "dtopk_w" + rank);
     const size_t first = r * el * per;
-    EXPECT_LT(rel_norm_f(g.dgate, expect.dgate.data() + first, el * per), tol) << name << " dW_gate" << rank;
-    EXPECT_LT(rel_norm_f(g.dup, expect.dup.data() + first, el * per), tol) << name << " dW_up" << rank;
-    EXPECT_LT(rel_norm_f(g.ddown, expect.ddown.data() + first, el * per), tol) << name << " dW_down" << rank;
+    within(rel_norm_f(g.dgate, expect.dgate.data() + first, el * per), d.dw, "dW_gate" + rank);
+    within(rel_norm_f(g.dup, expect.dup.data() + first, el * per), d.dw, "dW_up" + rank);
+    within(rel_norm_f(g.ddown, expect.ddown.data() + first, el * per), d.dw, "dW_down" + rank);
     if (s.has_shared()) {
       const size_t n = size_t(s.shared_intermediate) * s.hidden;
-      EXPECT_LT(rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), n), tol) << name << " shared dW_gate" << rank;
-      EXPECT_LT(rel_norm_f(g.sdup, expect.shared_dup[r].data(), n), tol) << name << " shared dW_up" << rank;
-      EXPECT_LT(rel_norm_f(g.sddown, expect.shared_ddown[r].data(), n), tol) << name << " shared dW_down" << rank;
+      within(rel_norm_f(g.sdgate, expect.shared_dgate[r].data(), n), d.shared_dw, "shared dW_gate" + rank);
+      within(rel_norm_f(g.sdup, expect.shared_dup[r].data(), n), d.shared_dw, "shared dW_up" + rank);
+      within(rel_norm_f(g.sddown, expect.shared_ddown[r].data(), n), d.shared_dw, "shared dW_down" + rank);
     }
   }
+  return d;
 }
 
 // D3: the global batch of `p8` (an EP 8 problem) and dy from `dy_seed`, re-split over ep 1, 2, 4, 8
