@@ -16,6 +16,7 @@ from mok.torch import _runtime  # noqa: E402
 from reference import relnorm  # noqa: E402
 from test_gpu import (E, H, I, K, S, T, assert_bitwise, check_compile_fullgraph_matches_eager, dy_like,  # noqa: E402
                       fwd_bwd, make_layer, names_of)
+from test_gpu import _release_at_end, _sync_checks  # noqa: E402, F401  (its autouse fixtures apply here too)
 
 pytestmark = pytest.mark.gpu
 
@@ -23,19 +24,6 @@ pytestmark = pytest.mark.gpu
 # layer in FP8"); a GEMM of the GPU may differ from the reference within its own tolerance on top of that.
 FP8_VS_BF16 = 0.1
 FP8 = mok.Config(precision="fp8")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_at_end():
-    yield
-    mok.torch.release()
-
-
-@pytest.fixture(autouse=True)
-def _sync_checks():
-    mok.torch.set_checks("sync")
-    yield
-    mok.torch.set_checks("sync")
 
 
 def updates() -> int:
