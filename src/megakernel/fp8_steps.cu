@@ -363,6 +363,22 @@ void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Seg
   }
 }
 
+namespace {
+
+// dh = dys . W_down and the SwiGLU backward in FP8 (the args' operands), dg's and du's codes and scales
+// into (dg, du) for dx, a non-finite dg or du recorded in `rec`.
+void dgrad_hidden_fp8(gemm::DgradHiddenFp8Args a, const Fp8Codes& dg, const Fp8Codes& du, gemm::NonFiniteRecord* rec,
+                      const gemm::Launch& launch, cudaStream_t stream) {
+  a.dg_codes = dg.codes.get();
+  a.du_codes = du.codes.get();
+  a.dg_scales = dg.scales.get();
+  a.du_scales = du.scales.get();
+  a.nonfinite = rec;
+  gemm::dgrad_hidden_swiglu_fp8(a, launch, stream);
+}
+
+}  // namespace
+
 void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
                         const SavedContext& saved, const Fp8Pass& pass, const GradInputs& out, bool shared, bool dh,
                         bool dx, const gemm::Launch& launch, cudaStream_t stream) {
@@ -376,14 +392,9 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
     if (dh) {
       quantize_rows(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy.out(), nullptr, rec + kFp8SharedDy,
                     stream);
-      gemm::DgradHiddenFp8Args a{seg, s.hidden, S, q.shared_dy.rows(), w.shared_down().w_t, saved.shared_g,
-                                 saved.shared_u, out.shared_dg, out.shared_du};
-      a.dg_codes = q.shared_dg.codes.get();
-      a.du_codes = q.shared_du.codes.get();
-      a.dg_scales = q.shared_dg.scales.get();
-      a.du_scales = q.shared_du.scales.get();
-      a.nonfinite = rec + kFp8SharedDgDu;
-      gemm::dgrad_hidden_swiglu_fp8(a, launch, stream);
+      dgrad_hidden_fp8({seg, s.hidden, S, q.shared_dy.rows(), w.shared_down().w_t, saved.shared_g, saved.shared_u,
+                        out.shared_dg, out.shared_du},
+                       q.shared_dg, q.shared_du, rec + kFp8SharedDgDu, launch, stream);
     }
     if (dx) {
       gemm::dgrad_input_fp8({seg, s.hidden, S, q.shared_dg.rows(), q.shared_du.rows(), w.shared_gate().w_t,
@@ -400,12 +411,7 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
                                out.du};
     a.row_w = bwd.row_w.get();
     a.dw_part = bwd.dw_part.get();
-    a.dg_codes = q.dg.codes.get();
-    a.du_codes = q.du.codes.get();
-    a.dg_scales = q.dg.scales.get();
-    a.du_scales = q.du.scales.get();
-    a.nonfinite = rec + kFp8DgDu;
-    gemm::dgrad_hidden_swiglu_fp8(a, launch, stream);
+    dgrad_hidden_fp8(a, q.dg, q.du, rec + kFp8DgDu, launch, stream);
   }
   if (dx) {
     gemm::dgrad_input_fp8({seg, s.hidden, s.intermediate, q.dg.rows(), q.du.rows(), w.gate().w_t, w.up().w_t,
