@@ -45,8 +45,9 @@ GPU machine (carry .devbin; each step's log goes to \$OUT/<step>.log, else to .d
   profile         bench/profile_step.py --shapes qwen3,gptoss --engines mok,mok_fp8,mok_fp8_bf16wgrad: CUDA time
                   per kernel of one layer step (where an FP8 or bf16 step's time goes)
   train           examples/train_lm.py --check --steps \$TRAIN_STEPS (default 300), curves in \$OUT
-  trace           the trace build's bench_forward --shapes dsv3,qwen3,gptoss --comm 16 --iters 3 --trace,
-                  read by scripts/forward_trace.py (needs TRACE=1 at build)
+  trace           the trace build's bench_forward --shapes dsv3,qwen3,gptoss --comm 16 --iters 3 --trace and
+                  bench_backward --shapes dsv3,qwen3,gptoss --grad-mode bf16 --iters 3 --trace (BENCH_ARGS_BWD
+                  replaces the latter's arguments), each read by scripts/forward_trace.py (needs TRACE=1 at build)
   all             $ALL
 
 Environment: OUT (logs and results), MOK_COMMIT (commit in bench records; default the
@@ -247,19 +248,23 @@ step_train() {
     --out-dir "$OUTDIR" --results-dir "$OUTDIR" "${args[@]}"
 }
 
-step_trace() {
-  local t=$BIN/trace dir args
-  if [ ! -x "$t/bench_forward" ]; then
+step_trace() {  # the forward and the backward (bf16 weight gradients), read by forward_trace.py
+  local t=$BIN/trace dir args pass bin files
+  if [ ! -x "$t/bench_forward" ] || [ ! -x "$t/bench_backward" ]; then
     echo "no trace build in $t: run 'TRACE=1 scripts/gpu.sh build'" | tee -a "$LOG"
     return $SKIP
   fi
   dir=$(mktemp -d)
-  read -ra args <<< "${BENCH_ARGS---shapes dsv3,qwen3,gptoss --comm 16 --iters 3}"
-  sub bench_forward 300 env LD_LIBRARY_PATH="$PWD/$t:$LD_LIBRARY_PATH" "$t/bench_forward" "${args[@]}" \
-    --trace "$dir/fwd" --out "$OUTDIR/trace-forward.json"
-  local files=("$dir"/fwd-*.bin)
-  if [ ${#files[@]} -gt 0 ]; then sub forward_trace 120 "$PY" scripts/forward_trace.py "${files[@]}"
-  else fail "no trace files written"; fi
+  for pass in forward backward; do
+    bin=bench_$pass
+    if [ $pass = forward ]; then read -ra args <<< "${BENCH_ARGS---shapes dsv3,qwen3,gptoss --comm 16 --iters 3}"
+    else read -ra args <<< "${BENCH_ARGS_BWD---shapes dsv3,qwen3,gptoss --grad-mode bf16 --iters 3}"; fi
+    sub "$bin" 300 env LD_LIBRARY_PATH="$PWD/$t:$LD_LIBRARY_PATH" "$t/$bin" "${args[@]}" \
+      --trace "$dir/$pass" --out "$OUTDIR/trace-$pass.json"
+    files=("$dir/$pass"-*.bin)
+    if [ ${#files[@]} -gt 0 ]; then sub "${pass}_trace" 120 "$PY" scripts/forward_trace.py "${files[@]}"
+    else fail "no $pass trace files written"; fi
+  done
   rm -rf "$dir"
 }
 
