@@ -43,7 +43,8 @@ struct Config {
   // comm_sms_forward 0 = automatic (effective_comm_sms_forward): at EP >= 2 enough CTAs to move
   // the pass's token rows in about the time its GEMMs take on the other SMs; at EP 1 (no
   // combine; the comm CTAs join the GEMM work after their dispatch share) at least one per
-  // 60 MB of routed rows, up to 16. comm_sms_backward 0 = automatic: the staged backward's
+  // 60 MB of routed rows, up to 16; the staged forward (and every FP8 forward) at EP 1 the whole
+  // grid, since its launches run alone (effective_comm_sms_staged_forward). comm_sms_backward 0 = automatic: the staged backward's
   // communication launches (and the fused backward's x pull before its kernel) at EP 1 the
   // whole grid (grid_sms, else every SM), since they run alone on the stream, at EP >= 2 16
   // (fitted to grid_sms); the fused backward's kernel at EP 1 every SM but one, at EP >= 2 the
@@ -97,6 +98,10 @@ struct Config {
   int64_t resident_routed_rows(const LayerShape& shape) const;
   // The communication CTAs of the forward / backward actually used (resolves 0 = automatic).
   int effective_comm_sms_forward(const LayerShape& shape) const;
+  // The staged forward's dispatch and combine launches (ForwardEngine::kStaged, and every FP8 forward):
+  // comm_sms_forward, or (automatic) at EP 1 the whole grid (device_sms when grid_sms is 0; 0 = unknown:
+  // 16), since they run alone on the stream, at EP >= 2 the fused forward's count.
+  int effective_comm_sms_staged_forward(const LayerShape& shape, int device_sms) const;
   // device_sms: the SMs of the device the backward runs on (used when grid_sms is 0; 0 = unknown: 16).
   // The staged backward's communication launches (and the fused backward's x pull before its kernel).
   int effective_comm_sms_backward(const LayerShape& shape, int device_sms) const;

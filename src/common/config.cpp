@@ -181,6 +181,20 @@ int Config::effective_comm_sms_forward(const LayerShape& shape) const {
   return fit_grid(std::clamp(ctas, 6, 32), grid_sms);
 }
 
+int Config::effective_comm_sms_staged_forward(const LayerShape& shape, int device_sms) const {
+  if (comm_sms_forward > 0) return comm_sms_forward;
+  // EP 1: the staged forward's dispatch (a local copy of the T*K rows; in FP8 their codes and
+  // scales) runs alone on the stream, as the staged backward's pulls do: the fused forward's
+  // count (sized to share the GPU with GEMM CTAs: qwen3 16, gptoss 6) left the rest of the GPU
+  // idle while the FP8 forward's rows moved. EP >= 2: the count validated there. Any count
+  // gives the same bits (D2).
+  if (shape.ep == 1) {
+    if (grid_sms > 0) return grid_sms;
+    return device_sms > 0 ? device_sms : 16;
+  }
+  return effective_comm_sms_forward(shape);
+}
+
 int Config::effective_comm_sms_backward(const LayerShape& shape, int device_sms) const {
   if (comm_sms_backward > 0) return comm_sms_backward;
   // EP 1: the staged backward's communication launches (the local pulls of x and dy rows) run

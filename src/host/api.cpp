@@ -120,7 +120,7 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
     megakernel::fused_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
   } else {
     megakernel::StagedForwardOptions options;
-    options.dispatch_ctas = impl.config.effective_comm_sms_forward(impl.shape);
+    options.dispatch_ctas = impl.config.effective_comm_sms_staged_forward(impl.shape, comm::device_sms());
     options.combine_ctas = options.dispatch_ctas;
     options.gemm_grid = impl.config.grid_sms;
     options.timeout_s = impl.config.wait_timeout_s;

@@ -171,6 +171,15 @@ TEST(ConfigValidation, AutomaticCommSmsFollowBytesPerFlop) {
   EXPECT_LE(c.effective_comm_sms_forward(mok::gptoss_shape(2)), 8);
   c.comm_sms_forward = 12;
   EXPECT_EQ(c.effective_comm_sms_forward(mok::dsv3_shape(2)), 12);
+  EXPECT_EQ(c.effective_comm_sms_staged_forward(mok::dsv3_shape(1), 132), 12);  // the caller's count everywhere
+}
+
+// The staged forward (and every FP8 forward) at EP 1 with the grid unset: the device's SMs, 16 when unknown.
+TEST(ConfigValidation, StagedForwardAtEp1TakesTheDevice) {
+  mok::Config c;
+  EXPECT_EQ(c.effective_comm_sms_staged_forward(mok::qwen3_shape(1), 132), 132);
+  EXPECT_EQ(c.effective_comm_sms_staged_forward(mok::qwen3_shape(1), 0), 16);
+  EXPECT_EQ(c.effective_comm_sms_staged_forward(mok::qwen3_shape(2), 132), c.effective_comm_sms_forward(mok::qwen3_shape(2)));
 }
 
 // A set grid smaller than an automatic count gets a count that fits it (one GEMM SM at least):
@@ -186,6 +195,9 @@ TEST(ConfigValidation, AutomaticCommSmsFitTheGrid) {
         EXPECT_LT(c.effective_comm_sms_forward(s), grid) << "grid_sms " << grid;
         // EP 1: the whole grid; EP >= 2: 16, fitted to the grid
         EXPECT_EQ(c.effective_comm_sms_backward(s, 132), ep == 1 ? grid : std::min(16, grid - 1)) << "grid_sms " << grid;
+        // the staged forward: EP 1 the whole grid (its launches run alone), EP >= 2 the fused forward's count
+        EXPECT_EQ(c.effective_comm_sms_staged_forward(s, 132), ep == 1 ? grid : c.effective_comm_sms_forward(s))
+            << "grid_sms " << grid;
         EXPECT_EQ(c.effective_comm_sms_forward(s),
                   std::min(mok::Config{}.effective_comm_sms_forward(s), grid - 1));
       }
