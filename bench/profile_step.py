@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--engines", default="mok,mok_fp8", help="of mok, mok_fp8, mok_fp8_bf16wgrad")
     ap.add_argument("--requant", action="store_true", help="mok_fp8: re-quantize the weights every step")
     ap.add_argument("--top", type=int, default=22, help="kernels listed per engine")
+    ap.add_argument("--comm-sms-forward", type=int, default=0,
+                    help="Config.comm_sms_forward of every engine (0: automatic), e.g. an A/B of the staged forward's "
+                         "dispatch CTAs")
     a = ap.parse_args()
     dev = torch.device("cuda")
     for name in a.shapes.split(","):
@@ -34,9 +37,10 @@ def main() -> None:
             if eng not in ("mok", "mok_fp8", "mok_fp8_bf16wgrad"):
                 raise SystemExit(f"--engines: unknown engine {eng!r}")
             fp8 = eng != "mok"
-            config = mok.Config(max_tokens=sh.tokens, precision="fp8" if fp8 else "bf16")
+            knobs = {"comm_sms_forward": a.comm_sms_forward} if a.comm_sms_forward else {}
+            config = mok.Config(max_tokens=sh.tokens, precision="fp8" if fp8 else "bf16", **knobs)
             if eng == "mok_fp8_bf16wgrad":
-                config = mok.Config(max_tokens=sh.tokens, precision="fp8", fp8_weight_grads=False)
+                config = mok.Config(max_tokens=sh.tokens, precision="fp8", fp8_weight_grads=False, **knobs)
             spec = mok.torch.layer_spec(sh.hidden, sh.intermediate, sh.experts, sh.topk, sh.shared, config=config)
 
             def step():
@@ -59,7 +63,8 @@ def main() -> None:
             rows = [(e.key, e.device_time_total / n / 1000.0, e.count // n) for e in prof.key_averages()
                     if e.device_time_total > 0]
             rows.sort(key=lambda r: -r[1])
-            print(f"== {name} {eng}{' (weights re-quantized every step)' if fp8 and a.requant else ''}: "
+            knob = f" comm_sms_forward={a.comm_sms_forward}" if a.comm_sms_forward else ""
+            print(f"== {name} {eng}{knob}{' (weights re-quantized every step)' if fp8 and a.requant else ''}: "
                   f"kernel time per step {sum(r[1] for r in rows):.3f} ms")
             for key, ms, count in rows[:a.top]:
                 print(f"  {ms:8.3f} ms x{count:<3d} {key[:150]}")
