@@ -27,7 +27,9 @@ fwd/bwd/step ms, the same run's bf16 and plain FP8 times, the dense TFLOP/s). It
 FP8 copies current, as every micro-batch of an optimizer step does; what a weight update adds (the copies
 re-quantized in the first forward after it) is timed apart: ``mok_fp8_weight_update_ms`` (a re-quantizing forward
 minus a plain one), and the record's ``weight_update_ms`` and ``step_with_update_ms`` (a step that follows an
-update: one micro-batch per optimizer step).
+update: one micro-batch per optimizer step). ``mok_fp8_w16`` is mok in FP8 with the weight-gradient GEMMs in
+bf16 (``Config(precision="fp8", fp8_weight_grads=False)``): its times beside mok_fp8's (``fp8_record``'s
+``w16_*_ms``) say which weight-gradient precision is faster for the step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from pathlib import Path
 __all__ = ["Shape", "SHAPES", "main", "commit_id", "envelope", "write_record", "render_table"]
 
 PASSES = ("fwd", "bwd", "step")
-ENGINES = ("mok", "torch", "torch_fp8", "mok_fp8")
+ENGINES = ("mok", "torch", "torch_fp8", "mok_fp8", "mok_fp8_w16")
 DEFAULT_ENGINES = ("mok", "torch")  # the FP8 engines only on request: the records keep their meaning
 PASS_FLOP_FACTOR = {"fwd": 1, "bwd": 2, "step": 3}
 
@@ -301,7 +303,8 @@ def make_problem(shape: Shape, device, rank: int, world: int, seed: int):
 SANITY_EXPERTS = 16
 
 # The sanity pairs (engine, reference, key prefix): mok against the plain layer, the FP8 layer against bf16.
-SANITY_PAIRS = (("mok", "torch", ""), ("torch_fp8", "torch", "fp8_vs_bf16_"), ("mok_fp8", "mok", "mok_fp8_vs_bf16_"))
+SANITY_PAIRS = (("mok", "torch", ""), ("torch_fp8", "torch", "fp8_vs_bf16_"), ("mok_fp8", "mok", "mok_fp8_vs_bf16_"),
+                ("mok_fp8_w16", "mok", "mok_fp8_w16_vs_bf16_"))
 
 
 def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer, dense: float,
@@ -338,6 +341,11 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
             return run_fp8()
 
         fns["mok_fp8"] = run_fp8
+    if "mok_fp8_w16" in args.engines:  # FP8 passes, bf16 weight-gradient GEMMs (Config.fp8_weight_grads = False)
+        spec16 = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
+                                      config=mok.Config(max_tokens=shape.tokens, precision="fp8",
+                                                        fp8_weight_grads=False))
+        fns["mok_fp8_w16"] = lambda: mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec16)
     if "torch" in args.engines:
         fns["torch"] = lambda: plain_moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, impl=impl)
     if "torch_fp8" in args.engines:
@@ -439,6 +447,9 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
             rec[f"{names[p]}_ms"] = metrics.get(f"mok_fp8_{p}_ms")
             rec[f"bf16_{names[p]}_ms"] = metrics.get(f"mok_{p}_ms")
             rec[f"plain_fp8_{names[p]}_ms"] = metrics.get(f"torch_fp8_{p}_ms")
+        for p in args.passes:  # the same FP8 passes with bf16 weight-gradient GEMMs (engine mok_fp8_w16)
+            if f"mok_fp8_w16_{p}_ms" in metrics:
+                rec[f"w16_{names[p]}_ms"] = metrics[f"mok_fp8_w16_{p}_ms"]
         rec["weight_update_ms"] = metrics.get("mok_fp8_weight_update_ms")  # once per optimizer step, not in step_ms
         if rec["weight_update_ms"] is not None and rec.get("step_ms") is not None:
             rec["step_with_update_ms"] = rec["step_ms"] + rec["weight_update_ms"]
@@ -520,6 +531,12 @@ def render_table(entries: list, passes=PASSES) -> str:
                 if bf is not None:
                     line += f" ({bf / (st + up):.2f}x bf16)"
             lines.append(line)
+        if "mok_fp8_w16_step_ms" in m or "mok_fp8_w16_bwd_ms" in m:
+            lines.append(f"{'':8s} mok fp8 with bf16 weight-gradient GEMMs (mok_fp8_w16): "
+                         + ", ".join(f"{p} {m[f'mok_fp8_w16_{p}_ms']:.3f} ms" for p in passes
+                                     if f"mok_fp8_w16_{p}_ms" in m)
+                         + (f"; its step over mok_fp8's {m['mok_fp8_step_ms'] / m['mok_fp8_w16_step_ms']:.2f}x"
+                            if "mok_fp8_step_ms" in m and "mok_fp8_w16_step_ms" in m else ""))
         if "mok_fp8_vs_bf16_y_rel_norm" in m:
             lines.append(f"{'':8s} mok fp8: |y_fp8 - y_mok|/|y_mok| = {m['mok_fp8_vs_bf16_y_rel_norm']:.2e}, "
                          f"dx {m['mok_fp8_vs_bf16_dx_rel_norm']:.2e}, d topk_w {m['mok_fp8_vs_bf16_dtw_rel_norm']:.2e}, "
@@ -672,7 +689,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        if world > 1 and ("mok" in args.engines or "mok_fp8" in args.engines):
+        if world > 1 and any(e.startswith("mok") for e in args.engines):
             print("mok.bench: mok's CPU path is one process (EP 1): run on GPUs under torchrun", file=sys.stderr)
             return 2
     if world > 1:
@@ -682,7 +699,7 @@ def main(argv=None) -> int:
     timer = Timer(device, world)
     try:
         for shape in args.shape_list:  # every shape is checked before anything runs
-            problem = _shape_problem(shape, world, "mok" in args.engines or "mok_fp8" in args.engines)
+            problem = _shape_problem(shape, world, any(e.startswith("mok") for e in args.engines))
             if problem:
                 if main_rank:
                     print(f"mok.bench: shape {shape.name} ({shape.describe()}) at EP {world}: {problem}",
@@ -690,7 +707,7 @@ def main(argv=None) -> int:
                 return 2
         dense = dense_tflops(device, args.dense_size, timer)
         dense_fp8 = None
-        if ("torch_fp8" in args.engines or "mok_fp8" in args.engines) and device.type == "cuda":
+        if ("torch_fp8" in args.engines or any(e.startswith("mok_fp8") for e in args.engines)) and device.type == "cuda":
             try:
                 dense_fp8 = dense_fp8_tflops(device, args.dense_size, timer)
             except (RuntimeError, NotImplementedError, ValueError) as e:  # the engine itself reports why

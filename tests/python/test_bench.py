@@ -267,13 +267,16 @@ def test_render_table_with_the_fp8_engines():
     assert "2.500" in row and "1.60x" in row and "2.00x" in row
     assert "mok fp8: |y_fp8 - y_mok|/|y_mok| = 6.00e-02" in text
     assert bench.parse_args(["--device", "cpu", "--engines", "mok,mok_fp8"]).engines == ["mok", "mok_fp8"]
+    m.update({"mok_fp8_w16_step_ms": 2.0})
+    text = bench.render_table([{"shape": "dsv3", "ep": 1, "torch_impl": "grouped_mm", "metrics": m}], passes=["step"])
+    assert "mok fp8 with bf16 weight-gradient GEMMs (mok_fp8_w16): step 2.000 ms; its step over mok_fp8's 1.25x" in text
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (mok's FP8 kernels)")
 def test_bench_fp8_engine_on_the_gpu(tmp_path):
     rc = bench.main(["--hidden", "1024", "--intermediate", "512", "--experts", "16", "--topk", "4", "--shared", "512",
-                     "--tokens", "4096", "--iters", "3", "--warmup", "1", "--engines", "mok,mok_fp8",
+                     "--tokens", "4096", "--iters", "3", "--warmup", "1", "--engines", "mok,mok_fp8,mok_fp8_w16",
                      "--json", str(tmp_path / "r.json")])
     assert rc == 0
     (entry,) = json.loads((tmp_path / "r.json").read_text())["results"]
@@ -281,5 +284,6 @@ def test_bench_fp8_engine_on_the_gpu(tmp_path):
     assert 0.01 < m["mok_fp8_vs_bf16_y_rel_norm"] < 0.1 and m["mok_fp8_vs_bf16_dw_rel_norm"] < 0.1
     assert rec["precision"] == "fp8_block" and rec["ep"] == 1 and entry["precision"] == "bf16"
     for k in ("fwd_ms", "bwd_ms", "step_ms", "bf16_fwd_ms", "bf16_bwd_ms", "bf16_step_ms", "dense_bf16_tflops",
-              "dense_fp8_tflops"):
+              "dense_fp8_tflops", "w16_fwd_ms", "w16_bwd_ms", "w16_step_ms"):
         assert rec[k] > 0, k
+    assert 0.01 < m["mok_fp8_w16_vs_bf16_y_rel_norm"] < 0.1 and m["mok_fp8_w16_vs_bf16_dw_rel_norm"] < 0.1

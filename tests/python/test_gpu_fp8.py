@@ -31,6 +31,13 @@ def updates() -> int:
     return _runtime.fp8_update_count
 
 
+def copies_of(m) -> _runtime.Fp8Weights:
+    """The FP8 weight copies of layer m (found by its gate weight's address)."""
+    found = [e for ws in _runtime.workspaces() for k, e in ws.fp8_weights.items() if m.w1.data_ptr() in k]
+    assert len(found) == 1, f"{len(found)} FP8 weight copies hold the address of this layer's w1"
+    return found[0]
+
+
 def forward(m, x, idx, w):
     with torch.no_grad():
         return m(x, idx, w)
@@ -149,10 +156,12 @@ def test_cuda_graph_of_the_whole_step_requantizes_on_replay():
         y = eager(x, idx, w.clone().requires_grad_())
         if not torch.equal(sy, y.detach()):
             # Which side is stale: the eager layer's weights (those the replay read) re-quantized once more.
+            same_copies = torch.equal(copies_of(graphed).memory, copies_of(eager).memory)
             mok.torch.mark_fp8_weights_stale()
             again = forward(eager, x, idx, w)
-            pytest.fail(f"step {step}: y of the replay differs from eager; the eager layer re-quantized gives its own y "
-                        f"again: {torch.equal(again, y.detach())}, the replay's: {torch.equal(again, sy)}")
+            pytest.fail(f"step {step}: y of the replay differs from eager (relative norm {relnorm(sy, y.detach()):.3e}); "
+                        f"the two layers' FP8 weight copies are equal: {same_copies}; the eager layer re-quantized gives "
+                        f"its own y again: {torch.equal(again, y.detach())}, the replay's: {torch.equal(again, sy)}")
         y.backward(dy)
         eager_opt.step()
         for n in names_of(graphed):
