@@ -33,8 +33,8 @@ def updates() -> int:
 
 def copies_of(m) -> _runtime.Fp8Weights:
     """The FP8 weight copies of layer m (found by its gate weight's address)."""
-    found = [e for ws in _runtime.workspaces() for k, e in ws.fp8_weights.items() if m.w1.data_ptr() in k]
-    assert len(found) == 1, f"{len(found)} FP8 weight copies hold the address of this layer's w1"
+    found = [e for ws in _runtime.workspaces() for k, e in ws.fp8_weights.items() if k[0] == m.w1.data_ptr()]
+    assert len(found) == 1, f"{len(found)} FP8 weight copies are keyed on this layer's w1"
     return found[0]
 
 
@@ -104,6 +104,22 @@ def test_optimizer_step_requantizes_once():
     after = fwd_bwd(m, x, idx, w, dy)
     assert updates() == n + 1  # the step's forward re-quantized, its backward did not
     assert not torch.equal(after["y"], before["y"])
+
+
+def test_copies_of_freed_layers_are_dropped():
+    """A program that builds and drops FP8 layers keeps copies only for the live ones (each costs about its bf16
+    weights' bytes): a new layer's first call drops the copies whose weights were freed."""
+    m, x, idx, w, _ = make_layer(config=FP8)
+    forward(m, x, idx, w)
+    before = mok.torch.memory_stats()["fp8_weight_copies"]
+    for seed in (21, 22, 23):
+        dropped, *_ = make_layer(config=FP8, seed=seed)
+        forward(dropped, x, idx, w)
+        del dropped
+    last, *_ = make_layer(config=FP8, seed=24)
+    forward(last, x, idx, w)
+    assert mok.torch.memory_stats()["fp8_weight_copies"] <= before + 1  # m's and last's (and none of the three)
+    assert torch.equal(forward(m, x, idx, w), forward(m, x, idx, w))
 
 
 def test_writes_torch_does_not_see_need_mark_fp8_weights_stale():

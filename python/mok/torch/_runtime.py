@@ -313,6 +313,11 @@ def _storage_refs(weights: list) -> tuple:
     return tuple(None if t is None else StorageWeakRef(t.untyped_storage()) for t in weights)
 
 
+def _weights_freed(refs: tuple) -> bool:
+    """True when a weight that copies were quantized from has been freed (its storage is gone)."""
+    return any(ref is not None and ref.expired() for ref in refs)
+
+
 def _same_storages(refs: tuple, weights: list) -> bool:
     """True when every weight still lives in the storage its copies were quantized from."""
     if len(refs) != len(weights):
@@ -349,8 +354,10 @@ def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream
                 raise MokError(
                     "mok: no FP8 weight copies yet for this layer's weights, and none are made while a CUDA graph is "
                     "being captured. Run the step once before capturing it (the usual warm-up)")
-            # Another layer's copies under this gate address: its weights were freed and the memory reused.
-            stale = [ws.fp8_weights.pop(k) for k in [k for k in ws.fp8_weights if k[0] == ptrs[0]]]
+            # Copies of layers whose weights were freed (their memory may hold this layer's now): dropped here, so
+            # that a program that builds and drops FP8 layers does not keep a weights' worth of copies for each.
+            stale = [ws.fp8_weights.pop(k) for k in [k for k, e in ws.fp8_weights.items()
+                                                     if k[0] == ptrs[0] or _weights_freed(e.storages)]]
             entry = ws.fp8_weights[ptrs] = Fp8Weights(ws, torch.device("cuda", ws.device))
     for old in stale:
         old.destroy()
