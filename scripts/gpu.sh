@@ -214,7 +214,8 @@ step_python() {
   local args; read -ra args <<< "${PYTEST_ARGS:-}"
   sub python-m-mok 60 "$PY" -m mok
   # The toy model's pytest file is left out: the toy step runs the same check once, printing every loss.
-  sub pytest 570 "$PY" -m pytest -q -rs tests/python --ignore=tests/python/test_gpu_toy.py "${args[@]}"
+  # -l: a failing test's locals (which step, which tensor) in the log.
+  sub pytest 570 "$PY" -m pytest -q -rs -l tests/python --ignore=tests/python/test_gpu_toy.py "${args[@]}"
   sub toy 300 "$PY" tests/python/toy_model.py --device cuda --steps "${TOY_STEPS:-20}"
 }
 

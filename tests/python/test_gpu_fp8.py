@@ -112,10 +112,13 @@ def test_copies_of_freed_layers_are_dropped():
     m, x, idx, w, _ = make_layer(config=FP8)
     forward(m, x, idx, w)
     before = mok.torch.memory_stats()["fp8_weight_copies"]
+    hold = []  # the freed weights' blocks, taken so that each next layer lands at new addresses (new keys)
     for seed in (21, 22, 23):
         dropped, *_ = make_layer(config=FP8, seed=seed)
         forward(dropped, x, idx, w)
+        shapes = [p.shape for p in dropped.parameters()]
         del dropped
+        hold += [torch.empty(shape, dtype=torch.bfloat16, device=x.device) for shape in shapes]
     last, *_ = make_layer(config=FP8, seed=24)
     forward(last, x, idx, w)
     assert mok.torch.memory_stats()["fp8_weight_copies"] <= before + 1  # m's and last's (and none of the three)
