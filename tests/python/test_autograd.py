@@ -277,3 +277,18 @@ def test_fp8_copies_tell_a_new_weight_at_a_freed_address():
     w.insert(0, torch.randn(8, 8))  # the old storage is gone
     assert not _same_storages(refs, w)
     assert not _same_storages((), w)
+
+
+def test_fp8_copies_of_freed_weights_are_found():
+    """A layer's first call drops the FP8 copies whose weights were freed (docs/python.md, "FP8"): a weight
+    freed while another of the layer's weights lives is enough, a view keeping the storage alive is not."""
+    from mok.torch._runtime import _storage_refs, _weights_freed
+
+    w = [torch.randn(8, 8), None, torch.randn(4)]
+    refs = _storage_refs(w)
+    assert not _weights_freed(refs) and not _weights_freed(())
+    view = w[0].view(64)
+    del w[0]
+    assert not _weights_freed(refs)  # the view holds the storage
+    del view
+    assert _weights_freed(refs)
