@@ -325,16 +325,16 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
     if impl == "auto":
         impl = "grouped_mm" if grouped_mm_available(device) else "loop"
     fns = {}
-    if "mok" in args.engines:
-        spec = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
-                                    config=mok.Config(max_tokens=shape.tokens))
-        fns["mok"] = lambda: mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec)
-    if "mok_fp8" in args.engines:  # right after mok: its sanity pair needs mok's outputs
-        spec8 = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
-                                     config=mok.Config(max_tokens=shape.tokens, precision="fp8"))
 
-        def run_fp8():  # the weights' FP8 copies current: a microbatch's pass (they change once per update)
-            return mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec8)
+    def mok_pass(**knobs):  # mok's layer on this shape with these Config knobs
+        spec = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
+                                    config=mok.Config(max_tokens=shape.tokens, **knobs))
+        return lambda: mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec)
+
+    if "mok" in args.engines:
+        fns["mok"] = mok_pass()
+    if "mok_fp8" in args.engines:  # right after mok: its sanity pair needs mok's outputs
+        run_fp8 = mok_pass(precision="fp8")  # the weights' FP8 copies current: a microbatch's pass
 
         def run_fp8_after_update():  # the first forward after an optimizer step re-quantizes the copies
             mok.torch.mark_fp8_weights_stale()
@@ -342,10 +342,7 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
 
         fns["mok_fp8"] = run_fp8
     if "mok_fp8_w16" in args.engines:  # FP8 passes, bf16 weight-gradient GEMMs (Config.fp8_weight_grads = False)
-        spec16 = mok.torch.layer_spec(shape.hidden, shape.intermediate, shape.experts, shape.topk, shape.shared,
-                                      config=mok.Config(max_tokens=shape.tokens, precision="fp8",
-                                                        fp8_weight_grads=False))
-        fns["mok_fp8_w16"] = lambda: mok.torch.moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, spec=spec16)
+        fns["mok_fp8_w16"] = mok_pass(precision="fp8", fp8_weight_grads=False)
     if "torch" in args.engines:
         fns["torch"] = lambda: plain_moe_experts(x, idx, tw, w["w1"], w["w2"], w["w3"], *shared, impl=impl)
     if "torch_fp8" in args.engines:
@@ -447,8 +444,7 @@ def bench_shape(shape: Shape, args, device, rank: int, world: int, timer: Timer,
             rec[f"{names[p]}_ms"] = metrics.get(f"mok_fp8_{p}_ms")
             rec[f"bf16_{names[p]}_ms"] = metrics.get(f"mok_{p}_ms")
             rec[f"plain_fp8_{names[p]}_ms"] = metrics.get(f"torch_fp8_{p}_ms")
-        for p in args.passes:  # the same FP8 passes with bf16 weight-gradient GEMMs (engine mok_fp8_w16)
-            if f"mok_fp8_w16_{p}_ms" in metrics:
+            if f"mok_fp8_w16_{p}_ms" in metrics:  # the same FP8 passes with bf16 weight-gradient GEMMs
                 rec[f"w16_{names[p]}_ms"] = metrics[f"mok_fp8_w16_{p}_ms"]
         rec["weight_update_ms"] = metrics.get("mok_fp8_weight_update_ms")  # once per optimizer step, not in step_ms
         if rec["weight_update_ms"] is not None and rec.get("step_ms") is not None:
@@ -531,10 +527,10 @@ def render_table(entries: list, passes=PASSES) -> str:
                 if bf is not None:
                     line += f" ({bf / (st + up):.2f}x bf16)"
             lines.append(line)
-        if "mok_fp8_w16_step_ms" in m or "mok_fp8_w16_bwd_ms" in m:
+        w16 = [p for p in passes if f"mok_fp8_w16_{p}_ms" in m]
+        if w16:
             lines.append(f"{'':8s} mok fp8 with bf16 weight-gradient GEMMs (mok_fp8_w16): "
-                         + ", ".join(f"{p} {m[f'mok_fp8_w16_{p}_ms']:.3f} ms" for p in passes
-                                     if f"mok_fp8_w16_{p}_ms" in m)
+                         + ", ".join(f"{p} {m[f'mok_fp8_w16_{p}_ms']:.3f} ms" for p in w16)
                          + (f"; its step over mok_fp8's {m['mok_fp8_step_ms'] / m['mok_fp8_w16_step_ms']:.2f}x"
                             if "mok_fp8_step_ms" in m and "mok_fp8_w16_step_ms" in m else ""))
         if "mok_fp8_vs_bf16_y_rel_norm" in m:
@@ -684,12 +680,13 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    with_mok = any(e.startswith("mok") for e in args.engines)  # mok, mok_fp8, mok_fp8_w16
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        if world > 1 and any(e.startswith("mok") for e in args.engines):
+        if world > 1 and with_mok:
             print("mok.bench: mok's CPU path is one process (EP 1): run on GPUs under torchrun", file=sys.stderr)
             return 2
     if world > 1:
@@ -699,7 +696,7 @@ def main(argv=None) -> int:
     timer = Timer(device, world)
     try:
         for shape in args.shape_list:  # every shape is checked before anything runs
-            problem = _shape_problem(shape, world, any(e.startswith("mok") for e in args.engines))
+            problem = _shape_problem(shape, world, with_mok)
             if problem:
                 if main_rank:
                     print(f"mok.bench: shape {shape.name} ({shape.describe()}) at EP {world}: {problem}",
