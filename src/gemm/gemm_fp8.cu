@@ -80,8 +80,21 @@ void gemm1_swiglu_fp8(const Gemm1SwigluFp8Args& a, const Launch& launch, cudaStr
   check_operand("x", a.x);
   check_operand("w_gate", a.w_gate);
   check_operand("w_up", a.w_up);
-  check_pointer("g", a.g);
-  check_pointer("u", a.u);
+  const bool gu8 = a.g_codes != nullptr || a.u_codes != nullptr || a.g_scales != nullptr || a.u_scales != nullptr;
+  if (gu8) {  // g, u quantized in the epilogue: all four pointers and a record; bf16 g, u optional (both or none)
+    check_pointer("g_codes", a.g_codes);
+    check_pointer("g_scales", a.g_scales);
+    check_pointer("u_codes", a.u_codes);
+    check_pointer("u_scales", a.u_scales);
+    if (a.gu_nonfinite == nullptr) throw_invalid("gu_nonfinite", "a device NonFiniteRecord (with g_codes)", "nullptr");
+    if ((a.g == nullptr) != (a.u == nullptr)) {
+      throw_invalid("g, u", "both bf16 outputs or neither (with g_codes)", a.g ? "u nullptr" : "g nullptr");
+    }
+  }
+  if (!gu8 || a.g != nullptr) {
+    check_pointer("g", a.g);
+    check_pointer("u", a.u);
+  }
   if (a.h != nullptr) check_pointer("h", a.h);
   check_pointer("h_codes", a.h_codes);
   check_pointer("h_scales", a.h_scales);
@@ -93,15 +106,24 @@ void gemm1_swiglu_fp8(const Gemm1SwigluFp8Args& a, const Launch& launch, cudaStr
   p.w_up = map_weights(a.w_up, E, I, H, "w_up");
   p.wg_scales = a.w_gate.scales;
   p.wu_scales = a.w_up.scales;
-  p.g = host::map_bf16(a.g, 0, R, I, 64, 64, "g");
-  p.u = host::map_bf16(a.u, 0, R, I, 64, 64, "u");
-  // Without h the h round stores nothing (zero columns); its map is g's, never used.
-  p.h = a.h != nullptr ? host::map_bf16(a.h, 0, R, I, 64, 64, "h") : p.g;
+  // A round without its bf16 output stores nothing (zero columns): its map is never used (left zero).
+  p.g = p.u = p.h = CUtensorMap{};
+  if (a.g != nullptr) {
+    p.g = host::map_bf16(a.g, 0, R, I, 64, 64, "g");
+    p.u = host::map_bf16(a.u, 0, R, I, 64, 64, "u");
+  }
+  if (a.h != nullptr) p.h = host::map_bf16(a.h, 0, R, I, 64, 64, "h");
+  p.gu_cols = a.g != nullptr ? static_cast<int>(I) : 0;
   p.h_cols = a.h != nullptr ? static_cast<int>(I) : 0;
   p.h_codes = a.h_codes;
   p.h_scales = a.h_scales;
   p.rows = R;
   p.nonfinite = a.nonfinite;
+  p.g_codes = gu8 ? a.g_codes : nullptr;
+  p.u_codes = gu8 ? a.u_codes : nullptr;
+  p.g_scales = gu8 ? a.g_scales : nullptr;
+  p.u_scales = gu8 ? a.u_scales : nullptr;
+  p.gu_nonfinite = gu8 ? a.gu_nonfinite : nullptr;
   p.sched = host::row_scheduler(a.seg, I, 128, kGroupM);
   p.k_steps = static_cast<int>(blocks_of(H));
   p.inter = static_cast<int>(I);

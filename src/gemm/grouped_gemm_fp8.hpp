@@ -51,6 +51,10 @@ struct Gemm2Fp8Args {
 // x [buffer_rows, H] 1x128; W_gate, W_up [E, I, H] 128x128; g, u [buffer_rows, I] bf16 (the
 // saved context); h [buffer_rows, I] bf16 or nullptr (not written). A non-finite h is recorded
 // in `nonfinite` (index row * I + col; required): check_nonfinite after the stream.
+// With g8, u8 (codes and scales in h_codes' layout) g and u are quantized too, from the same
+// rounded bf16 values: bit for bit quantize_rows_1x128 of the bf16 g, u (the FP8 context's
+// copies, docs/fp8.md), a non-finite g or u recorded in gu_nonfinite (required then); g and u
+// (bf16) may then be nullptr (not written). Without g8, u8 both bf16 g and u are required.
 struct Gemm1SwigluFp8Args {
   Segments seg;
   int64_t hidden = 0, intermediate = 0;
@@ -62,6 +66,11 @@ struct Gemm1SwigluFp8Args {
   uint8_t* h_codes = nullptr;
   float* h_scales = nullptr;
   NonFiniteRecord* nonfinite = nullptr;
+  uint8_t* g_codes = nullptr;
+  float* g_scales = nullptr;
+  uint8_t* u_codes = nullptr;
+  float* u_scales = nullptr;
+  NonFiniteRecord* gu_nonfinite = nullptr;
 };
 
 // dgrad of GEMM 1 in FP8: dx[r] = bf16(acc), acc = the FP8 dot of [dg | du][r] with

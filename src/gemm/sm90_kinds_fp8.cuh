@@ -183,10 +183,15 @@ struct Gemm1SwigluFp8Params {
   const float* wu_scales;
   CUtensorMap h, g, u;           // bf16 [rows, I], box 64 x 64
   int h_cols;                    // I, or 0 when h (bf16) is not wanted (its rounds store nothing)
+  int gu_cols;                   // I, or 0 when g, u (bf16) are not wanted
   uint8_t* h_codes;              // [rows, I]
   float* h_scales;               // [ceil(I / 128)][rows]
   int64_t rows;                  // buffer rows (h_scales' row stride)
   NonFiniteRecord* nonfinite;    // the first non-finite h (index row * I + col)
+  // g, u quantized too (the FP8 context's copies, h's layout), or g_codes nullptr: not wanted.
+  uint8_t *g_codes, *u_codes;
+  float *g_scales, *u_scales;
+  NonFiniteRecord* gu_nonfinite;  // the first non-finite g, else u (index row * I + col)
   RowScheduler sched;            // n_tiles = ceil(I / 128)
   int k_steps;                   // ceil(H / 128)
   int inter;                     // I
@@ -216,8 +221,22 @@ struct Gemm1SwigluFp8Kind
   }
   template <class Acc>
   __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    Gemm1SwigluKind<1>::epilogue(p, t, ctx, acc, true, p.h_cols);
+    if (p.g_codes != nullptr) quantize_gu(p, t, ctx, acc);  // (before the h math overwrites g's registers)
+    Gemm1SwigluKind<1>::epilogue(p, t, ctx, acc, p.gu_cols != 0, p.h_cols);
     quantize_h(p, t, ctx, acc);
+  }
+
+  // Before the epilogue acc(i), acc(i + 1) (i even < 64) hold g of fragment values (i, i + 1) and
+  // acc(i + 64), acc(i + 65) u's: rounded to bf16 (padding rows zero) as the epilogue's g and u
+  // rounds store them, then quantized: the FP8 context's g, u without a pass over the bf16 copies.
+  template <class Acc>
+  __device__ static void quantize_gu(const Params& p, const RowTile& t, const EpiCtx& ctx, const Acc& acc) {
+    const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+    auto real = [&](int i) { return (i / 2) % 2 ? real1 : real0; };
+    quantize_row_block(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, t.row0,
+                       128 * t.n_tile, p.inter, p.g_codes, p.g_scales, p.rows, p.gu_nonfinite);
+    quantize_row_block(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; }, t.row0,
+                       128 * t.n_tile, p.inter, p.u_codes, p.u_scales, p.rows, p.gu_nonfinite);
   }
 
   // After the epilogue acc(i), i even < 64, holds the bf16 pair of h of values (i, i + 1).

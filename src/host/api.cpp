@@ -109,9 +109,11 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
   // The activations go to the context when it keeps them; else (and with the ring, whose routed
   // g, u stay in its slots) to the backward's recompute scratch, where nothing reads them.
   const bool keep = ctx.layout.activations && args.save_activations && !impl.forward->ring();
-  // FP8: GEMM 1's bf16 g, u go to the scratch too, and the context keeps them in FP8.
-  const megakernel::SavedContext target =
+  // FP8: the context keeps g, u in FP8, written by GEMM 1's epilogue (forward_gemms_fp8); without
+  // keeping them GEMM 1's bf16 g, u go to the scratch.
+  megakernel::SavedContext target =
       keep && !is_fp8(impl) ? ctx.saved : impl.backward->scratch_activations(ctx.saved);
+  if (!keep) target.g8 = target.u8 = target.shared_g8 = target.shared_u8 = megakernel::Fp8Saved{};
   if (impl.config.forward_engine == ForwardEngine::kFused && !is_fp8(impl)) {
     megakernel::FusedForwardOptions options = impl.fused;
     options.comm_ctas = impl.config.effective_comm_sms_forward(impl.shape);
@@ -130,9 +132,6 @@ void forward(Workspace& ws, const ForwardArgs& args, const ExpertWeights& weight
       options.fp8 = &pass;
     }
     megakernel::staged_forward(*impl.state, *impl.forward, args, weights, options, target, stream);
-    if (is_fp8(impl) && keep) {
-      megakernel::save_activations_fp8(impl.shape, *impl.forward, impl.state->view(), target, ctx.saved, stream);
-    }
   }
   megakernel::save_schedule(*impl.state, *impl.forward, ctx.layout, ctx.base, stream);
   ctx.saved.schedule.tokens = impl.state->view().tokens;  // the call's T: its backward's buffers
@@ -265,13 +264,10 @@ void recompute_forward_context(Workspace& ws, const ForwardArgs& args, const Exp
     pass = fp8_pass(ws, weights, stream);
     options.fp8 = &pass;
   }
-  // FP8: GEMM 1 into the scratch, then into the context's FP8 copies.
+  // FP8: GEMM 1's epilogue writes the context's FP8 copies (its bf16 g, u are not written).
   const megakernel::SavedContext out = is_fp8(impl) ? impl.backward->scratch_activations(ctx.saved) : ctx.saved;
   megakernel::recompute_activations(*impl.state, *impl.forward, *impl.backward, ctx.saved, args.x, weights, out,
                                     options, stream);
-  if (is_fp8(impl)) {
-    megakernel::save_activations_fp8(impl.shape, *impl.forward, ctx.saved.schedule, out, ctx.saved, stream);
-  }
   ctx.complete = true;
   impl.last_stream = stream;
 }

@@ -293,17 +293,6 @@ void dequantize_from(Fp8Saved from, const GuRows& h, bf16* out, cudaStream_t str
 
 }  // namespace
 
-void save_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm::ScheduleView& v,
-                          const SavedContext& from, const SavedContext& into, cudaStream_t stream) {
-  gemm::NonFiniteRecord* rec = fwd.fp8->records.get();
-  int half = 0;
-  for (const GuRows& h : halves(s, fwd, v, from, into)) {
-    gemm::NonFiniteRecord* r = rec + (half++ == 0 ? kFp8Gu : kFp8SharedGu);
-    quantize_rows(h.g, h.rows, h.cols, h.g8, h.live, r, stream);
-    quantize_rows(h.u, h.rows, h.cols, h.u8, h.live, r, stream);
-  }
-}
-
 void load_activations_fp8(const LayerShape& s, const ForwardBuffers& fwd, const comm::ScheduleView& v,
                           const SavedContext& from, const SavedContext& into, cudaStream_t stream) {
   for (const GuRows& h : halves(s, fwd, v, into, from)) {
@@ -330,6 +319,23 @@ void round_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm:
 
 // ---- the passes' GEMM steps ----
 
+namespace {
+
+// GEMM 1 writes the FP8 context's g, u itself when `save` has them (its epilogue quantizes the rounded
+// g, u: the bits of save_activations_fp8 over its bf16 g, u, without that pass and without the bf16
+// copies, which nothing else reads then).
+void keep_gu_fp8(gemm::Gemm1SwigluFp8Args& g1, Fp8Saved g8, Fp8Saved u8, gemm::NonFiniteRecord* rec) {
+  if (g8.codes == nullptr) return;
+  g1.g = g1.u = nullptr;
+  g1.g_codes = g8.codes;
+  g1.g_scales = g8.scales;
+  g1.u_codes = u8.codes;
+  g1.u_scales = u8.scales;
+  g1.gu_nonfinite = rec;
+}
+
+}  // namespace
+
 void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Segments& seg, const bf16* x_rows,
                        const int64_t* live_rows, const Fp8Pass& pass, const SavedContext& save,
                        const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream,
@@ -343,6 +349,7 @@ void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Seg
     gemm::Gemm1SwigluFp8Args g1{sseg, s.hidden, s.shared_intermediate, q.shared_x.rows(), w.shared_gate().w,
                                 w.shared_up().w, save.shared_g, save.shared_u, nullptr, q.shared_h.codes.get(),
                                 q.shared_h.scales.get(), rec + kFp8SharedH};
+    keep_gu_fp8(g1, save.shared_g8, save.shared_u8, rec + kFp8SharedGu);
     gemm::gemm1_swiglu_fp8(g1, launch, stream);
     if (gemm2) {
       gemm::gemm2_fp8(
@@ -357,6 +364,7 @@ void forward_gemms_fp8(const LayerShape& s, ForwardBuffers& fwd, const gemm::Seg
   const gemm::Fp8Rows x = dispatched != nullptr ? *dispatched : q.x.rows();
   gemm::Gemm1SwigluFp8Args g1{seg, s.hidden, s.intermediate, x, w.gate().w, w.up().w, save.g, save.u,
                               nullptr, q.h.codes.get(), q.h.scales.get(), rec + kFp8H};
+  keep_gu_fp8(g1, save.g8, save.u8, rec + kFp8Gu);
   gemm::gemm1_swiglu_fp8(g1, launch, stream);
   if (gemm2) {
     gemm::gemm2_fp8({seg, s.hidden, s.intermediate, q.h.rows(), w.down().w, fwd.expert_out.get()}, launch, stream);

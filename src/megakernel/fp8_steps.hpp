@@ -124,19 +124,18 @@ void check_fp8_records(ForwardBuffers& fwd, const LayerShape& shape, cudaStream_
 // The forward's expert GEMMs in FP8 for the shared expert (shared; its rows fwd.shared_x) or the
 // routed experts (segments `seg` over x_rows, the first *live_rows rows live): x quantized (or,
 // with `dispatched`, x as fp8_dispatch left it), GEMM 1 + SwiGLU into save's g, u (h quantized in its
-// epilogue), with gemm2 GEMM 2 into the expert outputs (without: the backward's recompute of g, u).
+// epilogue; with save's g8, u8 g and u are quantized there instead of stored in bf16: the FP8
+// context's copies), with gemm2 GEMM 2 into the expert outputs (without: the backward's recompute).
 void forward_gemms_fp8(const LayerShape& shape, ForwardBuffers& fwd, const gemm::Segments& seg, const bf16* x_rows,
                        const int64_t* live_rows, const Fp8Pass& pass, const SavedContext& save,
                        const gemm::Launch& launch, bool shared, bool gemm2, cudaStream_t stream,
                        const gemm::Fp8Rows* dispatched = nullptr);
 
-// The FP8 context's g, u (SavedContext::g8, u8, shared ones; DeepSeek-V3's FP8-cached SwiGLU input):
-// save quantizes the bf16 g, u of `from` (GEMM 1's outputs) into `into`'s FP8 copies; load
-// dequantizes them back into `into`'s bf16 g, u (exact: the bf16 values of the copies); round does
-// both in place on `gu`'s bf16 g, u (the backward's recompute of a routing-only context: the bits of
-// a saved one). Routed rows: the schedule `v`'s live rows; shared: all of fwd.shared_rows.
-void save_activations_fp8(const LayerShape& shape, ForwardBuffers& fwd, const comm::ScheduleView& v,
-                          const SavedContext& from, const SavedContext& into, cudaStream_t stream);
+// The FP8 context's g, u (SavedContext::g8, u8, shared ones; DeepSeek-V3's FP8-cached SwiGLU input),
+// written by GEMM 1's epilogue (forward_gemms_fp8 with save's g8): load dequantizes them back into
+// `into`'s bf16 g, u (exact: the bf16 values of the copies); round quantizes and dequantizes in place
+// `gu`'s bf16 g, u (the backward's recompute of a routing-only context: the bits of a saved one).
+// Routed rows: the schedule `v`'s live rows; shared: all of fwd.shared_rows.
 void load_activations_fp8(const LayerShape& shape, const ForwardBuffers& fwd, const comm::ScheduleView& v,
                           const SavedContext& from, const SavedContext& into, cudaStream_t stream);
 void round_activations_fp8(const LayerShape& shape, ForwardBuffers& fwd, const comm::ScheduleView& v,

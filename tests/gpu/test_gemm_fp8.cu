@@ -470,12 +470,24 @@ void test_gemm1_fp8(const Shape& s, uint32_t seed, bool poison_x_to_inf = false)
   };
 
   if (poison_x_to_inf) {
+    // g, u quantized in the epilogue too: an infinite g is recorded in their record.
+    DeviceBuffer<uint8_t> gc(R * I), uc(R * I);
+    DeviceBuffer<float> gs(kb * R), us(kb * R);
+    DeviceBuffer<gemm::NonFiniteRecord> gu_rec(1);
+    gemm::reset_nonfinite(gu_rec.ptr, nullptr);
+    a.g_codes = gc.ptr;
+    a.g_scales = gs.ptr;
+    a.u_codes = uc.ptr;
+    a.u_scales = us.ptr;
+    a.gu_nonfinite = gu_rec.ptr;
     run(0, true);
-    try {
-      gemm::check_nonfinite(rec.ptr, I, "h", nullptr);
-      ADD_FAILURE() << "no error for an infinite h";
-    } catch (const mok::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("h at row"), std::string::npos) << e.what();
+    for (auto [record, name] : {std::pair{rec.ptr, "h"}, std::pair{gu_rec.ptr, "g or u"}}) {
+      try {
+        gemm::check_nonfinite(record, I, name, nullptr);
+        ADD_FAILURE() << "no error for an infinite " << name;
+      } catch (const mok::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string(name) + " at row"), std::string::npos) << e.what();
+      }
     }
     return;
   }
@@ -492,6 +504,23 @@ void test_gemm1_fp8(const Shape& s, uint32_t seed, bool poison_x_to_inf = false)
     }
   });
 
+  // codes [R, I] and K-block major scales [kb][R]: bit for bit ref::quantize_rows_1x128 of the bf16
+  // `bits` on every row of the segments.
+  auto expect_quantized_rows = [&](const Bits& bits, const std::vector<uint8_t>& codes_all,
+                                   const std::vector<float>& scales_all, const std::string& name) {
+    const int64_t rows = l.offsets.back();
+    const ref::Fp8Tensor q = ref::quantize_rows_1x128(bits.data(), rows, I, name.c_str());
+    std::vector<uint8_t> codes_seg(codes_all.begin(), codes_all.begin() + rows * I);
+    expect_bitwise_equal(codes_seg, q.data, name + " codes");
+    std::vector<float> sc(kb * rows), sg(kb * rows);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < kb; ++j) {
+        sc[r * kb + j] = scales_all[j * R + r];
+        sg[r * kb + j] = q.scales[r * kb + j];
+      }
+    expect_bitwise_equal(sc, sg, name + " scales");
+  };
+
   Gemm1Fp8Out first;
   for (int grid : kGrids) {
     Gemm1Fp8Out got = run(grid, true);
@@ -507,17 +536,7 @@ void test_gemm1_fp8(const Shape& s, uint32_t seed, bool poison_x_to_inf = false)
       }
       // h's codes and scales: the quantization of the kernel's own bf16 h, bit for bit, on every
       // row of the segments (padding rows: codes 0, scale 1).
-      const int64_t rows = l.offsets.back();
-      const ref::Fp8Tensor q = ref::quantize_rows_1x128(got.h.data(), rows, I, "h");
-      std::vector<uint8_t> codes_seg(got.codes.begin(), got.codes.begin() + rows * I);
-      expect_bitwise_equal(codes_seg, q.data, "h codes");
-      std::vector<float> sc(kb * rows), sg(kb * rows);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < kb; ++j) {
-          sc[r * kb + j] = got.scales[j * R + r];
-          sg[r * kb + j] = q.scales[r * kb + j];
-        }
-      expect_bitwise_equal(sc, sg, "h scales");
+      expect_quantized_rows(got.h, got.codes, got.scales, "h");
       first = got;
     } else {
       expect_bitwise_equal(got.g, first.g, "g, grid " + std::to_string(grid));
@@ -532,6 +551,42 @@ void test_gemm1_fp8(const Shape& s, uint32_t seed, bool poison_x_to_inf = false)
   expect_bitwise_equal(no_h.g, first.g, "g without h");
   expect_bitwise_equal(no_h.codes, first.codes, "h codes without h");
   expect_bitwise_equal(no_h.scales, first.scales, "h scales without h");
+
+  // g and u quantized in the epilogue too (the FP8 context's copies): bit for bit the quantization of
+  // the kernel's bf16 g, u, with and without those bf16 outputs, and the rest unchanged.
+  DeviceBuffer<uint8_t> gc(R * I), uc(R * I);
+  DeviceBuffer<float> gs(kb * R), us(kb * R);
+  DeviceBuffer<gemm::NonFiniteRecord> gu_rec(1);
+  a.g_codes = gc.ptr;
+  a.g_scales = gs.ptr;
+  a.u_codes = uc.ptr;
+  a.u_scales = us.ptr;
+  a.gu_nonfinite = gu_rec.ptr;
+  for (bool with_bf16 : {true, false}) {
+    const std::string how = with_bf16 ? " (with bf16 g, u)" : " (without bf16 g, u)";
+    for (auto* b : {&gc, &uc}) b->poison();
+    for (auto* b : {&gs, &us}) b->poison();
+    gemm::reset_nonfinite(gu_rec.ptr, nullptr);
+    a.g = with_bf16 ? reinterpret_cast<bf16*>(g.ptr) : nullptr;
+    a.u = with_bf16 ? reinterpret_cast<bf16*>(u.ptr) : nullptr;
+    Gemm1Fp8Out got = run(kGrids[1], false);
+    gemm::check_nonfinite(gu_rec.ptr, I, "g or u", nullptr);
+    expect_quantized_rows(first.g, gc.download(), gs.download(), "g" + how);
+    expect_quantized_rows(first.u, uc.download(), us.download(), "u" + how);
+    expect_bitwise_equal(got.codes, first.codes, "h codes" + how);
+    expect_bitwise_equal(got.scales, first.scales, "h scales" + how);
+    if (with_bf16) {
+      expect_bitwise_equal(got.g, first.g, "g" + how);
+      expect_bitwise_equal(got.u, first.u, "u" + how);
+    } else {
+      EXPECT_EQ(got.g, Bits(got.g.size(), 0xFFFFu)) << "g written without a bf16 g";
+      EXPECT_EQ(got.u, Bits(got.u.size(), 0xFFFFu)) << "u written without a bf16 u";
+    }
+  }
+  a.g = reinterpret_cast<bf16*>(g.ptr);
+  a.u = reinterpret_cast<bf16*>(u.ptr);
+  a.u_codes = nullptr;  // three of the four: refused, naming the missing one
+  EXPECT_THROW(gemm::gemm1_swiglu_fp8(a, {0, d_err.ptr, 10.0, 0}, nullptr), mok::Error);
 }
 
 // Partial blocks along I (320) and H (192), an empty expert, a whole padding tile.
