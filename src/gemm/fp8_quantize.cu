@@ -13,7 +13,11 @@
 // read and a row write are both free of bank conflicts), then write the transposed codes
 // through a [128 columns][132 bytes] byte tile aliased onto it, 128 bytes per column per warp
 // store. Vector loads and stores are used where the address allows, scalar ones otherwise
-// (odd ld, odd cols, partial blocks); nothing outside the tensors is read or written.
+// (odd ld, odd cols, partial blocks); nothing outside the tensors is read or written. Each
+// activation kernel (rows, cols, dequantize) has a vector path for the layouts the layer uses
+// (16-byte loads, a thread's values in registers; 2026-12-07: those passes moved ~1.3-1.9 TB/s on an
+// H100 through 2- and 4-byte accesses) and keeps the scalar one for the others: the same math per
+// value, so the same bits (tests/gpu/test_fp8_quantize.cu runs both).
 #include "gemm/fp8_quantize.hpp"
 
 #include <cuda_fp8.h>
@@ -222,17 +226,17 @@ __device__ inline void column_codes(const TileSmem& s, int c, int h, float inv, 
 // Writes every thread's column codes (column c = tid % 128, rows half h = tid / 128) to the
 // code tile aliased on the bf16 tile, then the tile transposed: tile column c (< nc) goes to
 // dst + (c0 + c) * dst_ld + r0 .. + nr. Synchronises the CTA before and after.
-__device__ inline void store_transposed(TileSmem& s, const uint32_t (&q)[16], uint8_t* dst, int64_t dst_ld,
+__device__ inline void store_transposed(uint32_t* words, const uint32_t (&q)[16], uint8_t* dst, int64_t dst_ld,
                                         int64_t r0, int64_t c0, int nr, int nc) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = threadIdx.x & (kBlock - 1), h = threadIdx.x >> 7;
   __syncthreads();  // every column read of the bf16 tile is done
 #pragma unroll
-  for (int i = 0; i < 16; ++i) s.words[c * kCodeWordPitch + h * 16 + i] = q[i];
+  for (int i = 0; i < 16; ++i) words[c * kCodeWordPitch + h * 16 + i] = q[i];
   __syncthreads();
   for (int col = warp; col < nc; col += kWarps) {
     uint8_t* out = dst + (c0 + col) * dst_ld + r0;
-    const uint32_t word = s.words[col * kCodeWordPitch + lane];
+    const uint32_t word = words[col * kCodeWordPitch + lane];
     if (nr == kBlock && (reinterpret_cast<uintptr_t>(out) & 3u) == 0) {
       reinterpret_cast<uint32_t*>(out)[lane] = word;
     } else {
@@ -278,7 +282,78 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParam
     if (h == 0 && c < nc) p.scales_t[br * p.scales_t_ld + c0 + c] = pow2_bits(k);
     uint32_t q[16];
     column_codes(s, c, h, pow2_bits(-k), q);
-    store_transposed(s, q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
+    store_transposed(s.words, q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
+  }
+}
+
+// The vector path (quantize_cols_128x1_transposed picks it when x and its ld allow 16-byte loads
+// and cols is a multiple of 8): the tile is loaded 16 bytes a lane (a half-warp per tile row) into a
+// [128][136] bf16 tile (272-byte rows: aligned 16-byte stores, conflict-free column reads); each
+// thread then reads its half column once into registers, for the amax and the codes (the scalar
+// path reads it from shared memory twice). The same math per value, so the same bits.
+struct VecTileSmem {
+  static constexpr int kPitch = kBlock + 8;  // bf16 elements per tile row
+  uint4 rows[kBlock * kPitch / 8];           // the bf16 tile; later the code tile (store_transposed's)
+  uint32_t amax[2 * kBlock];
+};
+static_assert(kBlock * VecTileSmem::kPitch / 2 >= kBlock * kCodeWordPitch, "the code tile fits on the bf16 tile");
+
+__global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsParams p) {
+  __shared__ VecTileSmem s;
+  const int c = threadIdx.x & (kBlock - 1), h = threadIdx.x >> 7;
+  const int chunk = threadIdx.x & 15, row_in_pass = threadIdx.x >> 4;  // 16 rows of 16 chunks per pass
+  const int64_t rows = live_rows(p.rows, p.rows_limit);
+  const int64_t row_tiles = (rows + kBlock - 1) / kBlock;  // uniform over the launch
+  const uint16_t* tile = reinterpret_cast<const uint16_t*>(s.rows);
+  for (int64_t t = blockIdx.x; t < row_tiles * p.col_tiles; t += gridDim.x) {
+    const int64_t br = t / p.col_tiles, bc = t - br * p.col_tiles;
+    const int64_t r0 = br * kBlock, c0 = bc * kBlock;
+    const int nr = static_cast<int>(min(int64_t{kBlock}, rows - r0));
+    const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
+#pragma unroll 4
+    for (int r = row_in_pass; r < kBlock; r += kThreads / 16) {
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      const int col = 8 * chunk;
+      if (r < nr && col < nc) {
+        w = *reinterpret_cast<const uint4*>(p.x + (r0 + r) * p.ld + c0 + col);
+        uint32_t words[4] = {w.x, w.y, w.z, w.w};
+        int bad = INT_MAX;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint16_t lo = static_cast<uint16_t>(words[j]), hi = static_cast<uint16_t>(words[j] >> 16);
+          if (!bf16_finite(lo)) bad = min(bad, col + 2 * j);
+          else if (!bf16_finite(hi)) bad = min(bad, col + 2 * j + 1);
+          words[j] = (bf16_finite(lo) ? lo : 0u) | (bf16_finite(hi) ? words[j] & 0xFFFF0000u : 0u);
+        }
+        if (bad != INT_MAX) atomicMin(&p.rec->first, static_cast<unsigned long long>((r0 + r) * p.cols + c0 + bad));
+        w = make_uint4(words[0], words[1], words[2], words[3]);
+      }
+      s.rows[(r * VecTileSmem::kPitch + 8 * chunk) / 8] = w;
+    }
+    __syncthreads();
+    uint32_t col_bits[32];  // rows h*64 + 2i, h*64 + 2i + 1 of column c
+    uint32_t part = 0;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const uint16_t a = tile[(h * 64 + 2 * i) * VecTileSmem::kPitch + c];
+      const uint16_t b = tile[(h * 64 + 2 * i + 1) * VecTileSmem::kPitch + c];
+      col_bits[i] = a | (static_cast<uint32_t>(b) << 16);
+      part = max(part, max(abs_bits(a), abs_bits(b)));
+    }
+    s.amax[h * kBlock + c] = part;
+    __syncthreads();
+    const int k = scale_exponent_bits(max(s.amax[c], s.amax[kBlock + c]));
+    if (h == 0 && c < nc) p.scales_t[br * p.scales_t_ld + c0 + c] = pow2_bits(k);
+    const float inv = pow2_bits(-k);
+    uint32_t q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t lo = encode2(static_cast<uint16_t>(col_bits[2 * i]), static_cast<uint16_t>(col_bits[2 * i] >> 16), inv);
+      const uint32_t hi =
+          encode2(static_cast<uint16_t>(col_bits[2 * i + 1]), static_cast<uint16_t>(col_bits[2 * i + 1] >> 16), inv);
+      q[i] = lo | (hi << 16);
+    }
+    store_transposed(reinterpret_cast<uint32_t*>(s.rows), q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
   }
 }
 
@@ -329,7 +404,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const BlocksP
     if (p.codes_t) {  // uniform over the launch
       uint32_t q[16];
       column_codes(s, threadIdx.x & (kBlock - 1), threadIdx.x >> 7, inv, q);
-      store_transposed(s, q, p.codes_t + e * p.cols * p.rows, p.rows, r0, c0, nr, nc);
+      store_transposed(s.words, q, p.codes_t + e * p.cols * p.rows, p.rows, r0, c0, nr, nc);
     } else {
       __syncthreads();  // s.amax and the tile are read before the next tile overwrites them
     }
@@ -490,7 +565,12 @@ void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stre
   ColsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes_t, codes_t_ld, a.scales_t,
                scales_t_ld, a.nonfinite, (a.rows + kBlock - 1) / kBlock, (a.cols + kBlock - 1) / kBlock,
                a.rows_limit};
-  quantize_cols_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
+  const bool vec = a.cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  if (vec) {
+    quantize_cols_vec_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
+  } else {
+    quantize_cols_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
+  }
   host::check_cuda(cudaGetLastError(), "quantize_cols_128x1_transposed launch");
 }
 

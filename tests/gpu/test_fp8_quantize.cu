@@ -262,6 +262,8 @@ TEST(Fp8Quantize, ColsTransposedMatchReference) {
       {1, 1, 0, 16, 0, 0},       {77, 3, 5, 80, 4, 2},       {128, 128, 0, 0, 0, -30},
       {200, 77, 80, 208, 77, 9}, {2880, 33, 0, 0, 40, 0},    {300, 130, 131, 320, 133, 120},
       {129, 257, 0, 144, 0, -118}, {256, 200, 200, 256, 0, -128, 1},
+      // the vector path (cols and ld multiples of 8): partial row and column tiles, a strided x
+      {300, 136, 0, 320, 0, 7},    {130, 264, 272, 144, 0, -120}, {1, 8, 0, 16, 0, 0},
   };
   uint32_t seed = 100;
   for (const ColsCase& k : cases) {
@@ -474,8 +476,10 @@ Bits zeroed(Bits x, const std::vector<int64_t>& at) {
 TEST(Fp8Quantize, NonFiniteReportsFirstInRowMajorOrder) {
   SKIP_WITHOUT_GPU();
   Record rec;
-  {  // rows: the first in row-major order is (2, 5); the others sit in other blocks and rows.
-    const RowsCase k{5, 300, 304, 304, 0, 0};
+  // rows: the first in row-major order is (2, 5); the others sit in other blocks and rows. Cols 300
+  // runs the scalar path, 304 the vector path (16-byte loads).
+  for (const RowsCase& k : {RowsCase{5, 300, 304, 304, 0, 0}, RowsCase{5, 304, 304, 304, 0, 0}}) {
+    gemm::reset_nonfinite(rec.d.ptr, nullptr);
     Bits x = random_wide(k.rows, k.cols, k.ld_(), 7, 0);
     const std::vector<int64_t> at = {2 * 304 + 200, 2 * 304 + 5, 3 * 304 + 0, 4 * 304 + 299};
     x[at[0]] = kPosInf, x[at[1]] = kNaN, x[at[2]] = kNegInf, x[at[3]] = 0xFFC1;  // negative NaN
@@ -486,11 +490,13 @@ TEST(Fp8Quantize, NonFiniteReportsFirstInRowMajorOrder) {
     run_rows(k, zeroed(x, at), rec.d.ptr);
     EXPECT_NO_THROW(gemm::check_nonfinite(rec.d.ptr, k.cols, "x", nullptr));
   }
-  {  // transposed: the order is x's row-major order, not the transposed output's: (2, 77)
-     // comes before (130, 3) although column 3 is written first.
-    const ColsCase k{200, 100, 0, 208, 0, 0};
+  // transposed: the order is x's row-major order, not the transposed output's: (2, 77) comes
+  // before (130, 3) although column 3 is written first. Cols 100: the scalar path; 104: the vector path.
+  for (const ColsCase& k : {ColsCase{200, 100, 0, 208, 0, 0}, ColsCase{200, 104, 0, 208, 0, 0}}) {
+    gemm::reset_nonfinite(rec.d.ptr, nullptr);
     Bits x = random_wide(k.rows, k.cols, k.ld_(), 8, 0);
-    const std::vector<int64_t> at = {130 * 100 + 3, 2 * 100 + 77, 199 * 100 + 99};
+    const int64_t n = k.cols;
+    const std::vector<int64_t> at = {130 * n + 3, 2 * n + 77, 199 * n + 99};
     x[at[0]] = kNaN, x[at[1]] = kNegInf, x[at[2]] = kPosInf;
     const Outputs out = run_cols(k, x, rec.d.ptr);
     expect_same(out, want_cols(k, zeroed(x, at)), "transposed with non-finite values");
