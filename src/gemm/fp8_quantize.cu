@@ -287,10 +287,12 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParam
 }
 
 // The vector path (quantize_cols_128x1_transposed picks it when x and its ld allow 16-byte loads
-// and cols is a multiple of 8): the tile is loaded 16 bytes a lane (a half-warp per tile row) into a
-// [128][136] bf16 tile (272-byte rows: aligned 16-byte stores, conflict-free column reads); each
-// thread then reads its half column once into registers, for the amax and the codes (the scalar
-// path reads it from shared memory twice). The same math per value, so the same bits.
+// and cols is a multiple of 8): the tile is loaded 16 bytes a lane (a half-warp per tile row, where
+// load_tile takes two 4-byte loads a lane) into a [128][136] bf16 tile (272-byte rows: aligned
+// 16-byte stores, conflict-free column reads); then the scalar path's column passes (amax, codes)
+// over it, which keep the registers, hence the CTAs per SM, of that path. (Holding each thread's 64
+// column values in registers for both passes instead took 1.36x the scalar path's time on an H100,
+// 2026-12-07: fewer CTAs per SM.) The same math per value, so the same bits.
 struct VecTileSmem {
   static constexpr int kPitch = kBlock + 8;  // bf16 elements per tile row
   uint4 rows[kBlock * kPitch / 8];           // the bf16 tile; later the code tile (store_transposed's)
@@ -305,15 +307,16 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsP
   const int64_t rows = live_rows(p.rows, p.rows_limit);
   const int64_t row_tiles = (rows + kBlock - 1) / kBlock;  // uniform over the launch
   const uint16_t* tile = reinterpret_cast<const uint16_t*>(s.rows);
+  auto at = [&](int r) { return tile[r * VecTileSmem::kPitch + c]; };  // column c, row r
   for (int64_t t = blockIdx.x; t < row_tiles * p.col_tiles; t += gridDim.x) {
     const int64_t br = t / p.col_tiles, bc = t - br * p.col_tiles;
     const int64_t r0 = br * kBlock, c0 = bc * kBlock;
     const int nr = static_cast<int>(min(int64_t{kBlock}, rows - r0));
     const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
+    const int col = 8 * chunk;
 #pragma unroll 4
     for (int r = row_in_pass; r < kBlock; r += kThreads / 16) {
       uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      const int col = 8 * chunk;
       if (r < nr && col < nc) {
         w = *reinterpret_cast<const uint4*>(p.x + (r0 + r) * p.ld + c0 + col);
         uint32_t words[4] = {w.x, w.y, w.z, w.w};
@@ -328,30 +331,21 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsP
         if (bad != INT_MAX) atomicMin(&p.rec->first, static_cast<unsigned long long>((r0 + r) * p.cols + c0 + bad));
         w = make_uint4(words[0], words[1], words[2], words[3]);
       }
-      s.rows[(r * VecTileSmem::kPitch + 8 * chunk) / 8] = w;
+      s.rows[(r * VecTileSmem::kPitch + col) / 8] = w;
     }
     __syncthreads();
-    uint32_t col_bits[32];  // rows h*64 + 2i, h*64 + 2i + 1 of column c
     uint32_t part = 0;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const uint16_t a = tile[(h * 64 + 2 * i) * VecTileSmem::kPitch + c];
-      const uint16_t b = tile[(h * 64 + 2 * i + 1) * VecTileSmem::kPitch + c];
-      col_bits[i] = a | (static_cast<uint32_t>(b) << 16);
-      part = max(part, max(abs_bits(a), abs_bits(b)));
-    }
+    for (int r = h * 64; r < h * 64 + 64; ++r) part = max(part, abs_bits(at(r)));
     s.amax[h * kBlock + c] = part;
     __syncthreads();
     const int k = scale_exponent_bits(max(s.amax[c], s.amax[kBlock + c]));
     if (h == 0 && c < nc) p.scales_t[br * p.scales_t_ld + c0 + c] = pow2_bits(k);
     const float inv = pow2_bits(-k);
-    uint32_t q[16];
+    uint32_t q[16];  // rows h*64 + 4i .. + 3, four codes a word (row order = byte order)
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const uint32_t lo = encode2(static_cast<uint16_t>(col_bits[2 * i]), static_cast<uint16_t>(col_bits[2 * i] >> 16), inv);
-      const uint32_t hi =
-          encode2(static_cast<uint16_t>(col_bits[2 * i + 1]), static_cast<uint16_t>(col_bits[2 * i + 1] >> 16), inv);
-      q[i] = lo | (hi << 16);
+      const int r = h * 64 + 4 * i;
+      q[i] = encode2(at(r), at(r + 1), inv) | (static_cast<uint32_t>(encode2(at(r + 2), at(r + 3), inv)) << 16);
     }
     store_transposed(reinterpret_cast<uint32_t*>(s.rows), q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
   }

@@ -30,7 +30,8 @@ inline constexpr int kFp8Gemm1Stages = 3;
 // over the row's four threads (a quad), the scale and codes with the quantizers' math
 // (fp8_math.cuh), so the result is quantize_rows_1x128's bit for bit; codes [rows, cols] at
 // columns < cols, the scale at scales[(col0 / 128) * scales_ld + row]. A non-finite value is
-// recorded (index row * cols + col; the record turns into an error).
+// recorded (index row * cols + col; the record turns into an error). cols: a multiple of 8 (the
+// row kinds' intermediate sizes are multiples of 64), codes 8-byte aligned.
 template <class Bits>
 __device__ inline void quantize_row_block(const EpiCtx& ctx, Bits bits, int64_t row0, int col0, int cols,
                                           uint8_t* codes, float* scales, int64_t scales_ld, NonFiniteRecord* rec) {
@@ -58,13 +59,36 @@ __device__ inline void quantize_row_block(const EpiCtx& ctx, Bits bits, int64_t 
     inv[v1] = pow2_bits(-k);
     scale[v1] = pow2_bits(k);
   }
+  // The codes, stored 8 bytes a thread: the quad's 4 lanes hold the 4 column pairs of each 8-column
+  // block j (lane q: columns 8j + 2q, 8j + 2q + 1), so lane q gathers blocks j = 4m + q (m = 0..3)
+  // from the quad (a 4 x 4 transpose of both rows' code pairs, 3 shuffles per m) and stores each row's
+  // 8 codes at once: a warp's store covers 32 contiguous bytes of 8 rows, where 2-byte stores a pair
+  // took 4x the instructions (this epilogue is not overlapped with the tensor cores).
+  const int quad_lane = ctx.tid % 4;
 #pragma unroll
-  for (int i = 0; i < 64; i += 2) {
-    const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
-    if (col < cols) {
-      const uint32_t b = bits(i);
-      const uint16_t q = encode2(static_cast<uint16_t>(b), static_cast<uint16_t>(b >> 16), inv[v1]);
-      *reinterpret_cast<uint16_t*>(codes + (row0 + ctx.row_in_tile(v1)) * cols + col) = q;
+  for (int m = 0; m < 4; ++m) {
+    uint32_t w[4];  // w[t]: this lane's code pair of block 4m + t, row half 0 (low 16 bits) and 1
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t b0 = bits(4 * (4 * m + t)), b1 = bits(4 * (4 * m + t) + 2);
+      w[t] = encode2(static_cast<uint16_t>(b0), static_cast<uint16_t>(b0 >> 16), inv[0]) |
+             (static_cast<uint32_t>(encode2(static_cast<uint16_t>(b1), static_cast<uint16_t>(b1 >> 16), inv[1])) << 16);
+    }
+    uint64_t row_codes[2] = {0, 0};  // block 4m + quad_lane: the 8 codes of each row half
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int t = quad_lane ^ k;  // what lane quad_lane ^ k wants from this one, and the pair it sends back
+      const uint32_t send = t == 0 ? w[0] : t == 1 ? w[1] : t == 2 ? w[2] : w[3];
+      const uint32_t got = k == 0 ? send : __shfl_xor_sync(0xffffffffu, send, k);
+      row_codes[0] |= static_cast<uint64_t>(got & 0xFFFFu) << (16 * t);
+      row_codes[1] |= static_cast<uint64_t>(got >> 16) << (16 * t);
+    }
+    const int col = col0 + 8 * (4 * m + quad_lane);
+    if (col < cols) {  // (cols: a multiple of 8, so an 8-column block is whole or absent)
+#pragma unroll
+      for (int v1 = 0; v1 < 2; ++v1) {
+        *reinterpret_cast<uint64_t*>(codes + (row0 + ctx.row_in_tile(v1)) * cols + col) = row_codes[v1];
+      }
     }
   }
   if (ctx.tid % 4 == 0) {
@@ -222,7 +246,19 @@ struct Gemm1SwigluFp8Kind
   template <class Acc>
   __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
     if (p.g_codes != nullptr) quantize_gu(p, t, ctx, acc);  // (before the h math overwrites g's registers)
-    Gemm1SwigluKind<1>::epilogue(p, t, ctx, acc, p.gu_cols != 0, p.h_cols);
+    if (p.gu_cols != 0 || p.h_cols != 0) {
+      Gemm1SwigluKind<1>::epilogue(p, t, ctx, acc, p.gu_cols != 0, p.h_cols);
+    } else {
+      // No bf16 output (the FP8 forward): the epilogue's h math alone, none of its store rounds (each
+      // would stage 64 x 128 values and pass two barriers to store nothing).
+      const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        acc(i) = __uint_as_float(Gemm1SwigluKind<1>::h_pair(pack_bf16x2(acc(i), acc(i + 1)),
+                                                             pack_bf16x2(acc(i + 64), acc(i + 65)),
+                                                             (i / 2) % 2 ? real1 : real0));
+      }
+    }
     quantize_h(p, t, ctx, acc);
   }
 

@@ -354,10 +354,14 @@ def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream
                 raise MokError(
                     "mok: no FP8 weight copies yet for this layer's weights, and none are made while a CUDA graph is "
                     "being captured. Run the step once before capturing it (the usual warm-up)")
-            # Copies of layers whose weights were freed (their memory may hold this layer's now): dropped here, so
-            # that a program that builds and drops FP8 layers does not keep a weights' worth of copies for each.
-            stale = [ws.fp8_weights.pop(k) for k in [k for k, e in ws.fp8_weights.items()
-                                                     if k[0] == ptrs[0] or _weights_freed(e.storages)]]
+            # Copies of layers whose weights were freed (their memory may hold this layer's now): dropped here, on
+            # every workspace (a layer called at several token counts has copies on each), so that a program that
+            # builds and drops FP8 layers does not keep a weights' worth of copies for each. On this workspace an
+            # entry of the same gate address is this address's previous layer in any case.
+            for other in _workspaces.values():
+                stale += [other.fp8_weights.pop(k) for k in [
+                    k for k, e in other.fp8_weights.items()
+                    if (other is ws and k[0] == ptrs[0]) or _weights_freed(e.storages)]]
             entry = ws.fp8_weights[ptrs] = Fp8Weights(ws, torch.device("cuda", ws.device))
     for old in stale:
         old.destroy()
