@@ -21,10 +21,13 @@ __global__ void merge_records(const gemm::NonFiniteRecord* from, gemm::NonFinite
   if (i < n && from[i].first != ~0ull) atomicMin(&into[i].first, from[i].first);
 }
 
+// (n <= 32: a warp reads the records with one load a lane; the grid is small, since nearly always no
+// record is set and every thread only reads them: 1024 CTAs of 18 loads a thread cost ~37 us a launch.)
 __global__ void poison_if_any(const gemm::NonFiniteRecord* records, int n, uint32_t* out, int64_t words) {
-  bool bad = false;
-  for (int i = 0; i < n; ++i) bad |= *reinterpret_cast<const volatile unsigned long long*>(&records[i].first) != ~0ull;
-  if (!bad) return;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const unsigned long long v =
+      lane < n ? *reinterpret_cast<const volatile unsigned long long*>(&records[lane].first) : ~0ull;
+  if (!__any_sync(0xffffffffu, v != ~0ull)) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < words; i += int64_t(gridDim.x) * blockDim.x) {
     out[i] = 0x7FFFFFFFu;  // an fp32 NaN, and two bf16 NaNs (0x7FFF, 0xFFFF)
   }
@@ -237,7 +240,8 @@ void merge_weight_records(ForwardBuffers& fwd, const Fp8Pass& pass, cudaStream_t
 
 void poison_on_nonfinite(const ForwardBuffers& fwd, void* out, int64_t words, cudaStream_t stream) {
   if (words <= 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>((words + 255) / 256, 1, 1024));
+  static_assert(kFp8Tensors <= 32, "poison_if_any reads the records one a lane");
+  const unsigned blocks = static_cast<unsigned>(std::clamp<int64_t>((words + 255) / 256, 1, 264));
   poison_if_any<<<blocks, 256, 0, stream>>>(fwd.fp8->records.get(), kFp8Tensors, static_cast<uint32_t*>(out), words);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
@@ -322,7 +326,7 @@ void round_activations_fp8(const LayerShape& s, ForwardBuffers& fwd, const comm:
 namespace {
 
 // GEMM 1 writes the FP8 context's g, u itself when `save` has them (its epilogue quantizes the rounded
-// g, u: the bits of save_activations_fp8 over its bf16 g, u, without that pass and without the bf16
+// g, u: the bits of quantize_rows_1x128 over its bf16 g, u, without such a pass and without the bf16
 // copies, which nothing else reads then).
 void keep_gu_fp8(gemm::Gemm1SwigluFp8Args& g1, Fp8Saved g8, Fp8Saved u8, gemm::NonFiniteRecord* rec) {
   if (g8.codes == nullptr) return;
