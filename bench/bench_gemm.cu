@@ -502,6 +502,19 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     const float ms1 = median_ms([&] { gemm1_swiglu_fp8(a1, L, stream); }, reps, stream);
     trace_report("gemm1_swiglu_fp8");
     res.push_back({"gemm1_swiglu_fp8", f1, ms1, dense(M, 2 * I, H), 0});
+    // As the FP8 layer's forward runs it: no bf16 output, g, u and h quantized in the epilogue (the
+    // context's g, u codes; a separate buffer each, scales in h's K-block major layout).
+    {
+      Gemm1SwigluFp8Args a8 = a1;
+      a8.g = a8.u = a8.h = nullptr;
+      a8.g_codes = dalloc<uint8_t>(R * I);
+      a8.u_codes = dalloc<uint8_t>(R * I);
+      a8.g_scales = dalloc<float>(ib * R);
+      a8.u_scales = dalloc<float>(ib * R);
+      a8.gu_nonfinite = rec;
+      const float ms8 = median_ms([&] { gemm1_swiglu_fp8(a8, L, stream); }, reps, stream);
+      res.push_back({"gemm1_swiglu_fp8_gu8", f1, ms8, dense(M, 2 * I, H), 0});
+    }
     // dgrad of GEMM 1 in FP8 (dg, du codes: reuse h's buffer twice; W^T codes: reuse W_gate's,
     // W_up's of the same size [E, H, I]), beside dgrad_dx.
     DgradInputFp8Args a2;
