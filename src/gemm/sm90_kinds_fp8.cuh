@@ -32,7 +32,12 @@ inline constexpr int kFp8Gemm1Stages = 3;
 // columns < cols, the scale at scales[(col0 / 128) * scales_ld + row]. A non-finite value is
 // recorded (index row * cols + col; the record turns into an error). cols: a multiple of 8 (the
 // row kinds' intermediate sizes are multiples of 64), codes 8-byte aligned.
-template <class Bits>
+// Stores (the same bytes either way): kWideStores, 8 bytes a thread after a transpose within the
+// quad; else 2 bytes a thread, a column pair as the fragment holds it. Measured per kind (1x H100,
+// 2026-12-07, bench/profile_step.py): GEMM 1's epilogue gained with the wide stores (qwen3 1.36 ->
+// 1.11 ms with g, u, h quantized), the dh kind, at its register limit, lost (its spills grew from
+// 56 / 106 to 92 / 306 bytes; qwen3 1.09 -> 1.28 ms), so it keeps the narrow ones.
+template <bool kWideStores = true, class Bits>
 __device__ inline void quantize_row_block(const EpiCtx& ctx, Bits bits, int64_t row0, int col0, int cols,
                                           uint8_t* codes, float* scales, int64_t scales_ld, NonFiniteRecord* rec) {
   uint32_t amax[2] = {0u, 0u};
@@ -59,35 +64,47 @@ __device__ inline void quantize_row_block(const EpiCtx& ctx, Bits bits, int64_t 
     inv[v1] = pow2_bits(-k);
     scale[v1] = pow2_bits(k);
   }
-  // The codes, stored 8 bytes a thread: the quad's 4 lanes hold the 4 column pairs of each 8-column
-  // block j (lane q: columns 8j + 2q, 8j + 2q + 1), so lane q gathers blocks j = 4m + q (m = 0..3)
-  // from the quad (a 4 x 4 transpose of both rows' code pairs, 3 shuffles per m) and stores each row's
-  // 8 codes at once: a warp's store covers 32 contiguous bytes of 8 rows, where 2-byte stores a pair
-  // took 4x the instructions (this epilogue is not overlapped with the tensor cores).
-  const int quad_lane = ctx.tid % 4;
+  if constexpr (!kWideStores) {  // each code pair where the fragment holds it
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    uint32_t w[4];  // w[t]: this lane's code pair of block 4m + t, row half 0 (low 16 bits) and 1
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint32_t b0 = bits(4 * (4 * m + t)), b1 = bits(4 * (4 * m + t) + 2);
-      w[t] = encode2(static_cast<uint16_t>(b0), static_cast<uint16_t>(b0 >> 16), inv[0]) |
-             (static_cast<uint32_t>(encode2(static_cast<uint16_t>(b1), static_cast<uint16_t>(b1 >> 16), inv[1])) << 16);
+    for (int i = 0; i < 64; i += 2) {
+      const int v1 = (i / 2) % 2, col = col0 + ctx.col(i / 4);
+      if (col < cols) {
+        const uint32_t b = bits(i);
+        const uint16_t q = encode2(static_cast<uint16_t>(b), static_cast<uint16_t>(b >> 16), inv[v1]);
+        *reinterpret_cast<uint16_t*>(codes + (row0 + ctx.row_in_tile(v1)) * cols + col) = q;
+      }
     }
-    uint64_t row_codes[2] = {0, 0};  // block 4m + quad_lane: the 8 codes of each row half
+  } else {
+    // 8 bytes a thread: the quad's 4 lanes hold the 4 column pairs of each 8-column block j (lane q:
+    // columns 8j + 2q, 8j + 2q + 1), so lane q gathers blocks j = 4m + q (m = 0..3) from the quad (a
+    // 4 x 4 transpose of both rows' code pairs, 3 shuffles per m) and stores each row's 8 codes at once:
+    // a warp's store covers 32 contiguous bytes of 8 rows, with a quarter of the narrow path's stores.
+    const int quad_lane = ctx.tid % 4;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int t = quad_lane ^ k;  // what lane quad_lane ^ k wants from this one, and the pair it sends back
-      const uint32_t send = t == 0 ? w[0] : t == 1 ? w[1] : t == 2 ? w[2] : w[3];
-      const uint32_t got = k == 0 ? send : __shfl_xor_sync(0xffffffffu, send, k);
-      row_codes[0] |= static_cast<uint64_t>(got & 0xFFFFu) << (16 * t);
-      row_codes[1] |= static_cast<uint64_t>(got >> 16) << (16 * t);
-    }
-    const int col = col0 + 8 * (4 * m + quad_lane);
-    if (col < cols) {  // (cols: a multiple of 8, so an 8-column block is whole or absent)
+    for (int m = 0; m < 4; ++m) {
+      uint32_t w[4];  // w[t]: this lane's code pair of block 4m + t, row half 0 (low 16 bits) and 1
 #pragma unroll
-      for (int v1 = 0; v1 < 2; ++v1) {
-        *reinterpret_cast<uint64_t*>(codes + (row0 + ctx.row_in_tile(v1)) * cols + col) = row_codes[v1];
+      for (int t = 0; t < 4; ++t) {
+        const uint32_t b0 = bits(4 * (4 * m + t)), b1 = bits(4 * (4 * m + t) + 2);
+        const uint32_t q0 = encode2(static_cast<uint16_t>(b0), static_cast<uint16_t>(b0 >> 16), inv[0]);
+        const uint32_t q1 = encode2(static_cast<uint16_t>(b1), static_cast<uint16_t>(b1 >> 16), inv[1]);
+        w[t] = q0 | (q1 << 16);
+      }
+      uint64_t row_codes[2] = {0, 0};  // block 4m + quad_lane: the 8 codes of each row half
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int t = quad_lane ^ k;  // what lane quad_lane ^ k wants from this one, and the pair it sends back
+        const uint32_t send = t == 0 ? w[0] : t == 1 ? w[1] : t == 2 ? w[2] : w[3];
+        const uint32_t got = k == 0 ? send : __shfl_xor_sync(0xffffffffu, send, k);
+        row_codes[0] |= static_cast<uint64_t>(got & 0xFFFFu) << (16 * t);
+        row_codes[1] |= static_cast<uint64_t>(got >> 16) << (16 * t);
+      }
+      const int col = col0 + 8 * (4 * m + quad_lane);
+      if (col < cols) {  // (cols: a multiple of 8, so an 8-column block is whole or absent)
+#pragma unroll
+        for (int v1 = 0; v1 < 2; ++v1) {
+          *reinterpret_cast<uint64_t*>(codes + (row0 + ctx.row_in_tile(v1)) * cols + col) = row_codes[v1];
+        }
       }
     }
   }
@@ -359,10 +376,11 @@ struct DgradHiddenFp8KindT
     for (int b = 0; b < 2; ++b) {
       const int col0 = 256 * t.n_tile + 128 * b;
       if (col0 < p.inter) {
-        quantize_row_block(ctx, [&](int i) { return __float_as_uint(acc(64 * b + i)); }, t.row0, col0, p.inter,
-                           p.dg_codes, p.dg_scales, p.rows, p.nonfinite);
-        quantize_row_block(ctx, [&](int i) { return __float_as_uint(acc(64 * b + i + 1)); }, t.row0, col0,
-                           p.inter, p.du_codes, p.du_scales, p.rows, p.nonfinite);
+        // (narrow stores: see quantize_row_block)
+        quantize_row_block<false>(ctx, [&](int i) { return __float_as_uint(acc(64 * b + i)); }, t.row0, col0,
+                                  p.inter, p.dg_codes, p.dg_scales, p.rows, p.nonfinite);
+        quantize_row_block<false>(ctx, [&](int i) { return __float_as_uint(acc(64 * b + i + 1)); }, t.row0, col0,
+                                  p.inter, p.du_codes, p.du_scales, p.rows, p.nonfinite);
       }
     }
     return ok;
