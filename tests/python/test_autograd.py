@@ -279,6 +279,24 @@ def test_fp8_copies_tell_a_new_weight_at_a_freed_address():
     assert not _same_storages((), w)
 
 
+def test_fp8_copies_of_freed_layers_are_dropped_on_every_workspace():
+    """A new set of FP8 copies drops, on every workspace, the sets whose weights were freed, and on its own
+    workspace the set keyed on the same gate address; live sets elsewhere stay (docs/python.md, "FP8")."""
+    from types import SimpleNamespace
+
+    from mok.torch._runtime import _pop_stale_copies, _storage_refs
+
+    live, freed = [torch.randn(4)], [torch.randn(4)]
+    entry = lambda ws: SimpleNamespace(storages=_storage_refs(ws))  # noqa: E731
+    a = SimpleNamespace(fp8_weights={(1, 2): entry(live), (3, 4): entry(freed), (5, 6): entry(live)})
+    b = SimpleNamespace(fp8_weights={(1, 7): entry(live), (8, 9): entry(freed)})
+    del freed[0]
+    stale = _pop_stale_copies([a, b], b, (1, 10))
+    assert len(stale) == 3
+    assert set(a.fp8_weights) == {(1, 2), (5, 6)}  # same gate address on another workspace: a live layer's set
+    assert set(b.fp8_weights) == set()  # (1, 7): this workspace's set at the same gate address; (8, 9): freed
+
+
 def test_fp8_copies_of_freed_weights_are_found():
     """A layer's first call drops the FP8 copies whose weights were freed (docs/python.md, "FP8"): a weight
     freed while another of the layer's weights lives is enough, a view keeping the storage alive is not."""

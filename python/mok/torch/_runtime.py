@@ -330,6 +330,20 @@ def _same_storages(refs: tuple, weights: list) -> bool:
     return True
 
 
+def _pop_stale_copies(workspaces, ws, ptrs: tuple) -> list:
+    """Before a new set of copies for weights at ``ptrs`` on ``ws``: removes and returns the sets of layers whose
+    weights were freed (their memory may hold this layer's now), on every workspace (a layer called at several
+    token counts has a set on each), so that a program that builds and drops FP8 layers does not keep a weights'
+    worth of copies for each; and on ``ws`` a set keyed on the same gate address, that address's previous layer
+    in any case. (Workspaces: anything with an ``fp8_weights`` dict of entries with ``storages``.)"""
+    stale = []
+    for other in workspaces:
+        keys = [k for k, e in other.fp8_weights.items()
+                if (other is ws and k[0] == ptrs[0]) or _weights_freed(e.storages)]
+        stale += [other.fp8_weights.pop(k) for k in keys]
+    return stale
+
+
 def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream: ctypes.c_void_p,
                     forward: bool) -> ctypes.c_void_p:
     """The handle of the layer's FP8 copies on ``ws``, current for ``weights`` once ``stream`` gets there.
@@ -354,14 +368,7 @@ def fp8_weights_for(ws: Workspace, weights: list, w: _lib.ExpertWeightsC, stream
                 raise MokError(
                     "mok: no FP8 weight copies yet for this layer's weights, and none are made while a CUDA graph is "
                     "being captured. Run the step once before capturing it (the usual warm-up)")
-            # Copies of layers whose weights were freed (their memory may hold this layer's now): dropped here, on
-            # every workspace (a layer called at several token counts has copies on each), so that a program that
-            # builds and drops FP8 layers does not keep a weights' worth of copies for each. On this workspace an
-            # entry of the same gate address is this address's previous layer in any case.
-            for other in _workspaces.values():
-                stale += [other.fp8_weights.pop(k) for k in [
-                    k for k, e in other.fp8_weights.items()
-                    if (other is ws and k[0] == ptrs[0]) or _weights_freed(e.storages)]]
+            stale = _pop_stale_copies(_workspaces.values(), ws, ptrs)
             entry = ws.fp8_weights[ptrs] = Fp8Weights(ws, torch.device("cuda", ws.device))
     for old in stale:
         old.destroy()
