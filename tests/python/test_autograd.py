@@ -286,8 +286,10 @@ def test_fp8_copies_of_freed_layers_are_dropped_on_every_workspace():
 
     from mok.torch._runtime import _pop_stale_copies, _storage_refs
 
+    def entry(weights):
+        return SimpleNamespace(storages=_storage_refs(weights))
+
     live, freed = [torch.randn(4)], [torch.randn(4)]
-    entry = lambda ws: SimpleNamespace(storages=_storage_refs(ws))  # noqa: E731
     a = SimpleNamespace(fp8_weights={(1, 2): entry(live), (3, 4): entry(freed), (5, 6): entry(live)})
     b = SimpleNamespace(fp8_weights={(1, 7): entry(live), (8, 9): entry(freed)})
     del freed[0]
