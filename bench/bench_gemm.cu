@@ -549,6 +549,17 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     a3.nonfinite = rec;
     const float ms3 = median_ms([&] { dgrad_hidden_swiglu_fp8(a3, L, stream); }, reps, stream);
     res.push_back({"dgrad_dh_swiglu_fp8", 2.0 * rr * H * I, ms3, dense(M, I, H), 0});
+    // The routed kind, as the layer runs it: router weights per row, the d topk_w parts out.
+    {
+      a3.row_w = dalloc<float>(R);
+      a3.dw_part = dalloc<float>(R * dgrad_hidden_col_tiles(I));
+      fill_scales<<<256, 256>>>(const_cast<float*>(a3.row_w), R, 21);
+      CK(cudaDeviceSynchronize());
+      const float ms3r = median_ms([&] { dgrad_hidden_swiglu_fp8(a3, L, stream); }, reps, stream);
+      res.push_back({"dgrad_dh_swiglu_fp8_routed", 2.0 * rr * H * I, ms3r, dense(M, I, H), 0});
+      CK(cudaFree(const_cast<float*>(a3.row_w)));
+      CK(cudaFree(a3.dw_part));
+    }
     CK(cudaFree(duc));
     CK(cudaFree(dus));
     for (void* p : {(void*)hc, (void*)wc, (void*)hs, (void*)ws, (void*)xc, (void*)gc, (void*)uc, (void*)xs, (void*)gs,
@@ -567,6 +578,18 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     const float d1 = dense(M, I, H), d2 = dense(M, H, 2 * I);
     res.push_back({"dgrad_dh_swiglu", f1, ms1, d1, 0});
     res.push_back({"dgrad_dx", f2, ms2, d2, 0});
+    {  // the routed kind, as the layer runs it: router weights per row, the d topk_w parts out
+      DgradHiddenArgs a{b.seg, H, I, dys, wd, g, u, dg, du};
+      float* row_w = dalloc<float>(R);
+      a.row_w = row_w;
+      a.dw_part = dalloc<float>(R * dgrad_hidden_col_tiles(I));
+      fill_scales<<<256, 256>>>(row_w, R, 22);
+      CK(cudaDeviceSynchronize());
+      res.push_back({"dgrad_dh_swiglu_routed", f1, median_ms([&] { dgrad_hidden_swiglu(a, L, stream); }, reps, stream),
+                     d1, 0});
+      CK(cudaFree(row_w));
+      CK(cudaFree(a.dw_part));
+    }
     const float ms1c = median_ms([&] { dgrad_hidden_swiglu({b.seg, H, I, dys, wd, g, u, dg, du}, b.launch(2), stream); }, reps, stream);
     const float ms2c = median_ms([&] { dgrad_input({b.seg, H, I, dg, du, wg, wu, dx}, b.launch(2), stream); }, reps, stream);
     res.push_back({"dgrad_cluster2", f1 + f2, ms1c + ms2c, d1 + d2, 0});
