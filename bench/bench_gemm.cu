@@ -551,13 +551,14 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     res.push_back({"dgrad_dh_swiglu_fp8", 2.0 * rr * H * I, ms3, dense(M, I, H), 0});
     // The routed kind, as the layer runs it: router weights per row, the d topk_w parts out.
     {
-      a3.row_w = dalloc<float>(R);
+      float* row_w = dalloc<float>(R);
+      a3.row_w = row_w;
       a3.dw_part = dalloc<float>(R * dgrad_hidden_col_tiles(I));
-      fill_scales<<<256, 256>>>(const_cast<float*>(a3.row_w), R, 21);
+      fill_scales<<<256, 256>>>(row_w, R, 21);
       CK(cudaDeviceSynchronize());
       const float ms3r = median_ms([&] { dgrad_hidden_swiglu_fp8(a3, L, stream); }, reps, stream);
       res.push_back({"dgrad_dh_swiglu_fp8_routed", 2.0 * rr * H * I, ms3r, dense(M, I, H), 0});
-      CK(cudaFree(const_cast<float*>(a3.row_w)));
+      CK(cudaFree(row_w));
       CK(cudaFree(a3.dw_part));
     }
     CK(cudaFree(duc));

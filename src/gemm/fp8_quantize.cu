@@ -76,6 +76,26 @@ __device__ inline uint32_t sanitize(uint16_t (&v)[4], int lane, unsigned long lo
   return amax;
 }
 
+// The 8 bf16 values of a 16-byte load (columns col .. col+7 of a row) into v, as sanitize does: non-finite
+// ones become +0, the first one recorded (index0 + its column); returns the largest |v| as fp32 bits.
+__device__ inline uint32_t unpack_sanitize8(uint4 w, int col, unsigned long long index0, NonFiniteRecord* rec,
+                                            uint16_t (&v)[8]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  uint32_t amax = 0;
+  int bad = INT_MAX;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2)));
+    if (!bf16_finite(v[j])) {
+      bad = min(bad, col + j);
+      v[j] = 0;
+    }
+    amax = max(amax, abs_bits(v[j]));
+  }
+  if (bad != INT_MAX) atomicMin(&rec->first, index0 + static_cast<unsigned long long>(bad));
+  return amax;
+}
+
 // Stores the lane's codes (q01: columns 2l, 2l+1; q23: 64+2l, 65+2l) of a segment of n codes.
 __device__ inline void store_segment(uint8_t* dst, int n, int lane, uint16_t q01, uint16_t q23) {
   if (n == kBlock && (reinterpret_cast<uintptr_t>(dst) & 1u) == 0) {
@@ -130,26 +150,10 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_vec_kernel(const RowsP
     const int n = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
     const int c = 8 * lane;
     uint16_t v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (c < n) {
-      const uint4 w = *reinterpret_cast<const uint4*>(p.x + r * p.ld + c0 + c);
-      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[2 * j] = static_cast<uint16_t>(words[j]);
-        v[2 * j + 1] = static_cast<uint16_t>(words[j] >> 16);
-      }
-    }
     uint32_t amax = 0;
-    int bad = INT_MAX;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (!bf16_finite(v[j])) {
-        bad = min(bad, c + j);
-        v[j] = 0;
-      }
-      amax = max(amax, abs_bits(v[j]));
+    if (c < n) {
+      amax = unpack_sanitize8(*reinterpret_cast<const uint4*>(p.x + r * p.ld + c0 + c), c, r * p.cols + c0, p.rec, v);
     }
-    if (bad != INT_MAX) atomicMin(&p.rec->first, static_cast<unsigned long long>(r * p.cols + c0 + bad));
 #pragma unroll
     for (int o = 8; o >= 1; o /= 2) amax = max(amax, __shfl_xor_sync(half_mask, amax, o));
     const int k = scale_exponent_bits(amax);
@@ -189,9 +193,9 @@ struct TileSmem {
   uint32_t amax[2 * kBlock];                // per-column partial amax (two row halves)
 };
 
-__device__ inline uint16_t tile_at(const TileSmem& s, int r, int c) {
-  return reinterpret_cast<const uint16_t*>(s.words)[r * 2 * kTileWordPitch + c];
-}
+// The bf16 tile of TileSmem: `pitch` elements a row (the column passes below take any pitch).
+inline constexpr int kTilePitch = 2 * kTileWordPitch;
+__device__ inline const uint16_t* tile_of(const TileSmem& s) { return reinterpret_cast<const uint16_t*>(s.words); }
 
 // Loads x[r0 .. r0+nr) x [c0 .. c0+nc) (row stride ld) into the tile; elements outside the
 // matrix and non-finite ones become +0 (the latter recorded as (rec_row0 + r) * cols + c).
@@ -212,14 +216,20 @@ __device__ inline uint32_t load_tile(TileSmem& s, const uint16_t* x, int64_t ld,
   return amax;
 }
 
-// Codes of tile column c, rows h*64 .. h*64+63, four rows per word (row order = byte order).
-__device__ inline void column_codes(const TileSmem& s, int c, int h, float inv, uint32_t (&q)[16]) {
+// The largest |v| (fp32 bits) of column c of a bf16 tile (`pitch` elements a row), rows h*64 .. h*64+63.
+__device__ inline uint32_t column_amax(const uint16_t* tile, int pitch, int c, int h) {
+  uint32_t part = 0;
+  for (int r = h * 64; r < h * 64 + 64; ++r) part = max(part, abs_bits(tile[r * pitch + c]));
+  return part;
+}
+
+// Codes of the same column and rows, four rows per word (row order = byte order).
+__device__ inline void column_codes(const uint16_t* tile, int pitch, int c, int h, float inv, uint32_t (&q)[16]) {
+  auto at = [&](int r) { return tile[r * pitch + c]; };
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int r = h * 64 + 4 * i;
-    const uint32_t lo = encode2(tile_at(s, r, c), tile_at(s, r + 1, c), inv);
-    const uint32_t hi = encode2(tile_at(s, r + 2, c), tile_at(s, r + 3, c), inv);
-    q[i] = lo | (hi << 16);
+    q[i] = encode2(at(r), at(r + 1), inv) | (static_cast<uint32_t>(encode2(at(r + 2), at(r + 3), inv)) << 16);
   }
 }
 
@@ -274,14 +284,12 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParam
     const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
     load_tile(s, p.x, p.ld, p.cols, r0, c0, nr, nc, 0, p.rec);
     __syncthreads();
-    uint32_t part = 0;
-    for (int r = h * 64; r < h * 64 + 64; ++r) part = max(part, abs_bits(tile_at(s, r, c)));
-    s.amax[h * kBlock + c] = part;
+    s.amax[h * kBlock + c] = column_amax(tile_of(s), kTilePitch, c, h);
     __syncthreads();
     const int k = scale_exponent_bits(max(s.amax[c], s.amax[kBlock + c]));
     if (h == 0 && c < nc) p.scales_t[br * p.scales_t_ld + c0 + c] = pow2_bits(k);
     uint32_t q[16];
-    column_codes(s, c, h, pow2_bits(-k), q);
+    column_codes(tile_of(s), kTilePitch, c, h, pow2_bits(-k), q);
     store_transposed(s.words, q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
   }
 }
@@ -307,7 +315,6 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsP
   const int64_t rows = live_rows(p.rows, p.rows_limit);
   const int64_t row_tiles = (rows + kBlock - 1) / kBlock;  // uniform over the launch
   const uint16_t* tile = reinterpret_cast<const uint16_t*>(s.rows);
-  auto at = [&](int r) { return tile[r * VecTileSmem::kPitch + c]; };  // column c, row r
   for (int64_t t = blockIdx.x; t < row_tiles * p.col_tiles; t += gridDim.x) {
     const int64_t br = t / p.col_tiles, bc = t - br * p.col_tiles;
     const int64_t r0 = br * kBlock, c0 = bc * kBlock;
@@ -318,35 +325,21 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsP
     for (int r = row_in_pass; r < kBlock; r += kThreads / 16) {
       uint4 w = make_uint4(0u, 0u, 0u, 0u);
       if (r < nr && col < nc) {
-        w = *reinterpret_cast<const uint4*>(p.x + (r0 + r) * p.ld + c0 + col);
-        uint32_t words[4] = {w.x, w.y, w.z, w.w};
-        int bad = INT_MAX;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint16_t lo = static_cast<uint16_t>(words[j]), hi = static_cast<uint16_t>(words[j] >> 16);
-          if (!bf16_finite(lo)) bad = min(bad, col + 2 * j);
-          else if (!bf16_finite(hi)) bad = min(bad, col + 2 * j + 1);
-          words[j] = (bf16_finite(lo) ? lo : 0u) | (bf16_finite(hi) ? words[j] & 0xFFFF0000u : 0u);
-        }
-        if (bad != INT_MAX) atomicMin(&p.rec->first, static_cast<unsigned long long>((r0 + r) * p.cols + c0 + bad));
-        w = make_uint4(words[0], words[1], words[2], words[3]);
+        uint16_t v[8];
+        unpack_sanitize8(*reinterpret_cast<const uint4*>(p.x + (r0 + r) * p.ld + c0 + col), col,
+                         (r0 + r) * p.cols + c0, p.rec, v);
+        auto pair = [&](int j) { return v[2 * j] | (static_cast<uint32_t>(v[2 * j + 1]) << 16); };
+        w = make_uint4(pair(0), pair(1), pair(2), pair(3));
       }
       s.rows[(r * VecTileSmem::kPitch + col) / 8] = w;
     }
     __syncthreads();
-    uint32_t part = 0;
-    for (int r = h * 64; r < h * 64 + 64; ++r) part = max(part, abs_bits(at(r)));
-    s.amax[h * kBlock + c] = part;
+    s.amax[h * kBlock + c] = column_amax(tile, VecTileSmem::kPitch, c, h);
     __syncthreads();
     const int k = scale_exponent_bits(max(s.amax[c], s.amax[kBlock + c]));
     if (h == 0 && c < nc) p.scales_t[br * p.scales_t_ld + c0 + c] = pow2_bits(k);
-    const float inv = pow2_bits(-k);
-    uint32_t q[16];  // rows h*64 + 4i .. + 3, four codes a word (row order = byte order)
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = h * 64 + 4 * i;
-      q[i] = encode2(at(r), at(r + 1), inv) | (static_cast<uint32_t>(encode2(at(r + 2), at(r + 3), inv)) << 16);
-    }
+    uint32_t q[16];
+    column_codes(tile, VecTileSmem::kPitch, c, h, pow2_bits(-k), q);
     store_transposed(reinterpret_cast<uint32_t*>(s.rows), q, p.codes_t, p.codes_t_ld, r0, c0, nr, nc);
   }
 }
@@ -397,7 +390,7 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const BlocksP
     }
     if (p.codes_t) {  // uniform over the launch
       uint32_t q[16];
-      column_codes(s, threadIdx.x & (kBlock - 1), threadIdx.x >> 7, inv, q);
+      column_codes(tile_of(s), kTilePitch, threadIdx.x & (kBlock - 1), threadIdx.x >> 7, inv, q);
       store_transposed(s.words, q, p.codes_t + e * p.cols * p.rows, p.rows, r0, c0, nr, nc);
     } else {
       __syncthreads();  // s.amax and the tile are read before the next tile overwrites them

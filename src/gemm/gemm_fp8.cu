@@ -119,11 +119,11 @@ void gemm1_swiglu_fp8(const Gemm1SwigluFp8Args& a, const Launch& launch, cudaStr
   p.h_scales = a.h_scales;
   p.rows = R;
   p.nonfinite = a.nonfinite;
-  p.g_codes = gu8 ? a.g_codes : nullptr;
-  p.u_codes = gu8 ? a.u_codes : nullptr;
-  p.g_scales = gu8 ? a.g_scales : nullptr;
-  p.u_scales = gu8 ? a.u_scales : nullptr;
-  p.gu_nonfinite = gu8 ? a.gu_nonfinite : nullptr;
+  p.g_codes = a.g_codes;  // (all four set, or all nullptr: checked above)
+  p.u_codes = a.u_codes;
+  p.g_scales = a.g_scales;
+  p.u_scales = a.u_scales;
+  p.gu_nonfinite = a.gu_nonfinite;
   p.sched = host::row_scheduler(a.seg, I, 128, kGroupM);
   p.k_steps = static_cast<int>(blocks_of(H));
   p.inter = static_cast<int>(I);

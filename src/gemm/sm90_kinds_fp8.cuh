@@ -268,13 +268,7 @@ struct Gemm1SwigluFp8Kind
     } else {
       // No bf16 output (the FP8 forward): the epilogue's h math alone, none of its store rounds (each
       // would stage 64 x 128 values and pass two barriers to store nothing).
-      const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
-#pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        acc(i) = __uint_as_float(Gemm1SwigluKind<1>::h_pair(pack_bf16x2(acc(i), acc(i + 1)),
-                                                             pack_bf16x2(acc(i + 64), acc(i + 65)),
-                                                             (i / 2) % 2 ? real1 : real0));
-      }
+      Gemm1SwigluKind<1>::h_in_place(t, ctx, acc);
     }
     quantize_h(p, t, ctx, acc);
   }

@@ -107,6 +107,17 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     const float2 g = unpack_bf16x2(g_bits), u = unpack_bf16x2(u_bits);
     return real ? pack_bf16x2(swiglu_fwd(g.x, u.x), swiglu_fwd(g.y, u.y)) : 0u;
   }
+  // h = silu(g) * u from the rounded g (acc(i), acc(i + 1)) and u (acc(i + 64), acc(i + 65)), i even < 64,
+  // as bf16x2 into acc(i) (padding rows zero).
+  template <class Acc>
+  __device__ static void h_in_place(const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      acc(i) = __uint_as_float(h_pair(pack_bf16x2(acc(i), acc(i + 1)), pack_bf16x2(acc(i + 64), acc(i + 65)),
+                                      (i / 2) % 2 ? real1 : real0));
+    }
+  }
   // store_gu false: the g and u rounds issue no TMA store (zero-column boxes; their bulk groups
   // stay, empty, so the group accounting is unchanged): h alone is written. The fused forward's
   // macrobatch ring passes it for row tiles whose saved context the ring will not keep.
@@ -127,10 +138,7 @@ struct Gemm1SwigluKind : RowKindBase<Gemm1SwigluKind<C>, TileConfig<256, kPipeSt
     store_round<0, 0>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i), acc(i + 1)) : 0u; }, issue(&p.g, gu_cols));
     store_round<0, 1>(ctx, [&](int i) { return real(i) ? pack_bf16x2(acc(i + 64), acc(i + 65)) : 0u; },
                       issue(&p.u, gu_cols));
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      acc(i) = __uint_as_float(h_pair(pack_bf16x2(acc(i), acc(i + 1)), pack_bf16x2(acc(i + 64), acc(i + 65)), real(i)));
-    }
+    h_in_place(t, ctx, acc);
     store_round<0, 2>(ctx, [&](int i) { return __float_as_uint(acc(i)); }, issue(&p.h, h_cols < 0 ? p.inter : h_cols));
   }
 
