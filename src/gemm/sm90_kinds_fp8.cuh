@@ -23,6 +23,15 @@ namespace mok::gemm {
 inline constexpr int kFp8PipeStages = 5;
 inline constexpr int kFp8Gemm1Stages = 3;
 
+// Deferred bf16 epilogues of the 128-column FP8 kinds (GEMM 2, dx, wgrad's bf16 output;
+// consumer_warpgroup, DeferredBf16Rows): a tile's one store round runs after wgmma batch
+// kFp8DeferRound of the next tile's K loop in warpgroup 0 and kFp8DeferWg1Shift batches later in
+// warpgroup 1, the next tile's coordinates after batch kFp8DeferNext. An FP8 batch (one 128-deep
+// K block of a 64 x 128 fragment, ~256 tensor-core cycles) is a quarter of a bf16 batch pair's
+// work and the loops are short (2 K blocks per wgrad tile at gpt-oss sizes), hence the early
+// slots; hook_slot() clamps them to the loop.
+inline constexpr int kFp8DeferRound = 0, kFp8DeferNext = 1, kFp8DeferWg1Shift = 1;
+
 // ---- Quantizing epilogues -----------------------------------------------------------------
 // One 1x128 block per row of the warpgroup's 64 rows, from bf16 pairs in registers: bits(i) for
 // even i in [0, 64) is the bf16x2 of columns col0 + ctx.col(i / 4) + {0, 1} of row
@@ -134,12 +143,17 @@ struct Gemm2Fp8Params {
   int k_steps;            // ceil(I / 128)
   int hidden;
   ErrorSink err;
+  int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_round1 = kFp8DeferRound;
+  int defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
 template <int C>
-struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>> {
+struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>>,
+                      DeferredBf16Rows<Gemm2Fp8Kind<C>, true, 128> {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, C>;
   using Params = Gemm2Fp8Params;
+  __device__ static const CUtensorMap* out_map(const Params& p) { return &p.out; }
+  __device__ static int out_cols(const Params& p) { return p.hidden; }
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.h);
     cute::prefetch_tma_descriptor(&p.h_scales);
@@ -152,11 +166,6 @@ struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeSt
   }
   __device__ static float b_scale(const Params& p, const RowTile& t, int k, int) {
     return __ldg(p.w_scales + (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * p.k_steps + k);
-  }
-  template <class Acc>
-  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    pack_rows_bf16(ctx, acc, t.real_rows);
-    store_packed<0, 0, 0>(ctx, acc, &p.out, 128 * t.n_tile, p.hidden, t.row0);
   }
 };
 
@@ -176,12 +185,17 @@ struct DgradInputFp8Params {
   int k_steps;                     // 2 ceil(I / 128)
   int hidden;
   ErrorSink err;
+  int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_round1 = kFp8DeferRound;
+  int defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
 template <int C>
-struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>> {
+struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>>,
+                           DeferredBf16Rows<DgradInputFp8Kind<C>, true, 128> {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, C>;
   using Params = DgradInputFp8Params;
+  __device__ static const CUtensorMap* out_map(const Params& p) { return &p.dx; }
+  __device__ static int out_cols(const Params& p) { return p.hidden; }
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dg);
     cute::prefetch_tma_descriptor(&p.du);
@@ -201,11 +215,6 @@ struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, 
     const bool up = k >= half;
     return __ldg((up ? p.wu_t_scales : p.wg_t_scales) +
                  (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * half + (up ? k - half : k));
-  }
-  template <class Acc>
-  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
-    pack_rows_bf16(ctx, acc, t.real_rows);
-    store_packed<0, 0, 0>(ctx, acc, &p.dx, 128 * t.n_tile, p.hidden, t.row0);
   }
 };
 
@@ -409,6 +418,8 @@ struct WgradFp8Params {
   WgradFp8ProblemParams problems[kMaxWgradProblems];
   KGroupedScheduler sched;  // m_tiles = ceil(M / 128), n_tiles = ceil(N / 128)
   ErrorSink err;
+  // The bf16 output's deferred store (kFp8DeferRound above).
+  int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
 template <int Mode>
@@ -446,14 +457,37 @@ struct WgradFp8Kind {
     tma_load_2d(&pr.b_scales, bar, sb, 128 * t.n_tile, row / 128);
   }
   __device__ static float b_scale(const Params&, const KTile&, int, int) { return 1.0f; }  // per column instead
+  // bf16 output: deferred (consumer_warpgroup, kDeferredEpilogue). The tile is rounded into 32
+  // registers of bf16 pairs after its K loop and stored (one staging round, TMA) inside the next
+  // tile's K loop: at gpt-oss sizes a tile has 2 K blocks, so a store at the end of each tile left
+  // the tensor cores idle for about as long as its K loop.
+  static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
+  static constexpr int kDeferredPieces = 1;
+  struct Packed {
+    uint32_t v[32];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
+  };
+  struct Pending {
+    int problem, expert, m_tile, n_tile;
+  };
+  __device__ static Pending pending_of(const KTile& t) { return {t.problem, t.expert, t.m_tile, t.n_tile}; }
+  template <class Acc>
+  __device__ static void pack(const Params&, const KTile&, const EpiCtx&, const Acc& acc, Packed& out) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
+  }
+  __device__ static int piece_batch(const Params& p, int) { return p.defer_round0; }
+  template <int Piece>
+  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+    static_assert(Piece == 0, "one store round");
+    const Problem& pr = p.problems[t.problem];
+    store_round<0, 0>(ctx, [&](int i) { return pk.v[i / 2]; },
+                      Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
+  }
+  // The fp32 outputs (sums; main grad += sums).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
+    static_assert(Mode != kWgradWriteBf16 || sizeof(Acc) == 0, "the bf16 output is stored by store_piece");
     const Problem& pr = problem(p, t);
-    if constexpr (Mode == kWgradWriteBf16) {
-      store_round<0, 0>(ctx, [&](int i) { return pack_bf16x2(acc(i), acc(i + 1)); },
-                        Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < cute::size(acc); i += 2) {
       const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2), n = 128 * t.n_tile + ctx.col(i / 4);
