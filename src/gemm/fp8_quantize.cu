@@ -270,6 +270,11 @@ struct ColsParams {
   NonFiniteRecord* rec;
   int64_t row_tiles, col_tiles;
   const int64_t* rows_limit;
+  // The row quantization of the same x (QuantizeColsArgs::row_codes; the vector kernel only).
+  uint8_t* row_codes;
+  int64_t row_codes_ld;
+  float* row_scales;
+  int64_t row_scales_ld;
 };
 
 __global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParams p) {
@@ -301,6 +306,8 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_kernel(const ColsParam
 // over it, which keep the registers, hence the CTAs per SM, of that path. (Holding each thread's 64
 // column values in registers for both passes instead took 1.36x the scalar path's time on an H100,
 // 2026-12-07: fewer CTAs per SM.) The same math per value, so the same bits.
+// With p.row_codes the loaded half-warp rows are also quantized as 1x128 row blocks on the spot: a
+// half-warp holds one tile row's 128 columns, 8 a lane, quantize_rows_vec_kernel's layout and math.
 struct VecTileSmem {
   static constexpr int kPitch = kBlock + 8;  // bf16 elements per tile row
   uint4 rows[kBlock * kPitch / 8];           // the bf16 tile; later the code tile (store_transposed's)
@@ -321,17 +328,33 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsP
     const int nr = static_cast<int>(min(int64_t{kBlock}, rows - r0));
     const int nc = static_cast<int>(min(int64_t{kBlock}, p.cols - c0));
     const int col = 8 * chunk;
+    const uint32_t half_mask = 0xFFFFu << (16 * ((threadIdx.x >> 4) & 1));
 #pragma unroll 4
     for (int r = row_in_pass; r < kBlock; r += kThreads / 16) {
       uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (r < nr && col < nc) {
-        uint16_t v[8];
-        unpack_sanitize8(*reinterpret_cast<const uint4*>(p.x + (r0 + r) * p.ld + c0 + col), col,
-                         (r0 + r) * p.cols + c0, p.rec, v);
+      uint16_t v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      uint32_t amax = 0;
+      const bool in = r < nr && col < nc;
+      if (in) {
+        amax = unpack_sanitize8(*reinterpret_cast<const uint4*>(p.x + (r0 + r) * p.ld + c0 + col), col,
+                                (r0 + r) * p.cols + c0, p.rec, v);
         auto pair = [&](int j) { return v[2 * j] | (static_cast<uint32_t>(v[2 * j + 1]) << 16); };
         w = make_uint4(pair(0), pair(1), pair(2), pair(3));
       }
       s.rows[(r * VecTileSmem::kPitch + col) / 8] = w;
+      if (p.row_codes != nullptr) {  // uniform over the launch; every lane of a half takes part
+#pragma unroll
+        for (int o = 8; o >= 1; o /= 2) amax = max(amax, __shfl_xor_sync(half_mask, amax, o));
+        const int k = scale_exponent_bits(amax);
+        const float inv = pow2_bits(-k);
+        if (in) {
+          uint2 q;
+          q.x = encode2(v[0], v[1], inv) | (static_cast<uint32_t>(encode2(v[2], v[3], inv)) << 16);
+          q.y = encode2(v[4], v[5], inv) | (static_cast<uint32_t>(encode2(v[6], v[7], inv)) << 16);
+          *reinterpret_cast<uint2*>(p.row_codes + (r0 + r) * p.row_codes_ld + c0 + col) = q;
+        }
+        if (r < nr && chunk == 0) p.row_scales[bc * p.row_scales_ld + r0 + r] = pow2_bits(k);
+      }
     }
     __syncthreads();
     s.amax[h * kBlock + c] = column_amax(tile, VecTileSmem::kPitch, c, h);
@@ -549,10 +572,43 @@ void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stre
   check_ptr("a.codes_t", a.codes_t, 1, work);
   check_ptr("a.scales_t", a.scales_t, 4, work);
   if (!work) return;
+  const bool with_rows = a.row_codes != nullptr || a.row_scales != nullptr;
+  int64_t row_codes_ld = 0, row_scales_ld = 0;
+  if (with_rows) {
+    if (a.row_codes == nullptr || a.row_scales == nullptr) {
+      throw_invalid("a.row_codes, a.row_scales", "both set (the row quantization too) or both nullptr",
+                    a.row_codes ? "row_scales nullptr" : "row_codes nullptr");
+    }
+    row_codes_ld = resolve_ld("a.row_codes_ld", a.row_codes_ld, a.cols, a.cols, "cols", 16);
+    row_scales_ld = resolve_ld("a.row_scales_ld", a.row_scales_ld, a.rows, a.rows, "rows", 1);
+    check_ptr("a.row_codes", a.row_codes, 1, work);
+    check_ptr("a.row_scales", a.row_scales, 4, work);
+  }
   ColsParams p{reinterpret_cast<const uint16_t*>(a.x), a.rows, a.cols, ld, a.codes_t, codes_t_ld, a.scales_t,
                scales_t_ld, a.nonfinite, (a.rows + kBlock - 1) / kBlock, (a.cols + kBlock - 1) / kBlock,
-               a.rows_limit};
+               a.rows_limit, nullptr, 0, nullptr, 0};
   const bool vec = a.cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(a.x) % 16 == 0;
+  if (with_rows) {
+    if (vec && reinterpret_cast<uintptr_t>(a.row_codes) % 8 == 0) {
+      p.row_codes = a.row_codes;
+      p.row_codes_ld = row_codes_ld;
+      p.row_scales = a.row_scales;
+      p.row_scales_ld = row_scales_ld;
+    } else {  // the layouts do not share a pass: the row quantizer first (the same bits)
+      QuantizeRowsArgs r;
+      r.x = a.x;
+      r.rows = a.rows;
+      r.cols = a.cols;
+      r.ld = ld;
+      r.codes = a.row_codes;
+      r.codes_ld = row_codes_ld;
+      r.scales = a.row_scales;
+      r.scales_ld = row_scales_ld;
+      r.nonfinite = a.nonfinite;
+      r.rows_limit = a.rows_limit;
+      quantize_rows_1x128(r, stream);
+    }
+  }
   if (vec) {
     quantize_cols_vec_kernel<<<grid_for(p.row_tiles * p.col_tiles), kThreads, 0, stream>>>(p);
   } else {

@@ -68,6 +68,15 @@ struct QuantizeColsArgs {
   int64_t scales_t_ld = 0;  // 0 = cols; >= cols
   NonFiniteRecord* nonfinite = nullptr;  // required
   const int64_t* rows_limit = nullptr;  // as QuantizeRowsArgs::rows_limit (rows of x)
+  // Optional (row_codes nullptr: none): x's 1x128 row quantization too, quantize_rows_1x128's codes
+  // [rows][row_codes_ld] and K-block major scales (row r, block b at row_scales[b * row_scales_ld + r])
+  // bit for bit, from the same loads: one read of a tensor that a GEMM takes as rows and a weight
+  // gradient as columns (dy). Both layouts need x 16-byte aligned (ld, cols multiples of 8) and the
+  // codes 8-byte aligned (row_codes_ld a multiple of 8) to share the pass; otherwise the two passes run.
+  uint8_t* row_codes = nullptr;
+  int64_t row_codes_ld = 0;   // 0 = cols; >= cols and a multiple of 16
+  float* row_scales = nullptr;
+  int64_t row_scales_ld = 0;  // 0 = rows; >= rows
 };
 void quantize_cols_128x1_transposed(const QuantizeColsArgs& a, cudaStream_t stream);
 

@@ -23,13 +23,13 @@ namespace mok::gemm {
 inline constexpr int kFp8PipeStages = 5;
 inline constexpr int kFp8Gemm1Stages = 3;
 
-// Deferred bf16 epilogues of the 128-column FP8 kinds (GEMM 2, dx, wgrad's bf16 output;
-// consumer_warpgroup, DeferredBf16Rows): a tile's one store round runs after wgmma batch
-// kFp8DeferRound of the next tile's K loop in warpgroup 0 and kFp8DeferWg1Shift batches later in
-// warpgroup 1, the next tile's coordinates after batch kFp8DeferNext. An FP8 batch (one 128-deep
-// K block of a 64 x 128 fragment, ~256 tensor-core cycles) is a quarter of a bf16 batch pair's
-// work and the loops are short (2 K blocks per wgrad tile at gpt-oss sizes), hence the early
-// slots; hook_slot() clamps them to the loop.
+// The deferred bf16 epilogue of the FP8 wgrad (consumer_warpgroup): a tile's one store round runs
+// after wgmma batch kFp8DeferRound of the next tile's K loop in warpgroup 0 and kFp8DeferWg1Shift
+// batches later in warpgroup 1, the next tile's coordinates after batch kFp8DeferNext. An FP8 batch
+// (one 128-deep K block of a 64 x 128 fragment, ~256 tensor-core cycles) is a quarter of a bf16
+// batch pair's work and the loops are short (2 K blocks per tile at gpt-oss sizes), hence the early
+// slots; hook_slot() clamps them to the loop. (GEMM 2 and dx measured no gain from the same
+// deferral, docs/experiments.md.)
 inline constexpr int kFp8DeferRound = 0, kFp8DeferNext = 1, kFp8DeferWg1Shift = 1;
 
 // ---- Quantizing epilogues -----------------------------------------------------------------
@@ -143,17 +143,12 @@ struct Gemm2Fp8Params {
   int k_steps;            // ceil(I / 128)
   int hidden;
   ErrorSink err;
-  int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_round1 = kFp8DeferRound;
-  int defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
 template <int C>
-struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>>,
-                      DeferredBf16Rows<Gemm2Fp8Kind<C>, true, 128> {
+struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>> {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, C>;
   using Params = Gemm2Fp8Params;
-  __device__ static const CUtensorMap* out_map(const Params& p) { return &p.out; }
-  __device__ static int out_cols(const Params& p) { return p.hidden; }
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.h);
     cute::prefetch_tma_descriptor(&p.h_scales);
@@ -166,6 +161,11 @@ struct Gemm2Fp8Kind : RowKindBase<Gemm2Fp8Kind<C>, Fp8TileConfig<128, kFp8PipeSt
   }
   __device__ static float b_scale(const Params& p, const RowTile& t, int k, int) {
     return __ldg(p.w_scales + (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * p.k_steps + k);
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    pack_rows_bf16(ctx, acc, t.real_rows);
+    store_packed<0, 0, 0>(ctx, acc, &p.out, 128 * t.n_tile, p.hidden, t.row0);
   }
 };
 
@@ -185,17 +185,12 @@ struct DgradInputFp8Params {
   int k_steps;                     // 2 ceil(I / 128)
   int hidden;
   ErrorSink err;
-  int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_round1 = kFp8DeferRound;
-  int defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
 template <int C>
-struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>>,
-                           DeferredBf16Rows<DgradInputFp8Kind<C>, true, 128> {
+struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, kFp8PipeStages, C>> {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, C>;
   using Params = DgradInputFp8Params;
-  __device__ static const CUtensorMap* out_map(const Params& p) { return &p.dx; }
-  __device__ static int out_cols(const Params& p) { return p.hidden; }
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dg);
     cute::prefetch_tma_descriptor(&p.du);
@@ -215,6 +210,11 @@ struct DgradInputFp8Kind : RowKindBase<DgradInputFp8Kind<C>, Fp8TileConfig<128, 
     const bool up = k >= half;
     return __ldg((up ? p.wu_t_scales : p.wg_t_scales) +
                  (int64_t{t.expert} * p.sched.n_tiles + t.n_tile) * half + (up ? k - half : k));
+  }
+  template <class Acc>
+  __device__ static void epilogue(const Params& p, const RowTile& t, const EpiCtx& ctx, Acc& acc) {
+    pack_rows_bf16(ctx, acc, t.real_rows);
+    store_packed<0, 0, 0>(ctx, acc, &p.dx, 128 * t.n_tile, p.hidden, t.row0);
   }
 };
 
@@ -422,7 +422,7 @@ struct WgradFp8Params {
   int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
-template <int Mode>
+template <int Mode, bool Defer = true>
 struct WgradFp8Kind {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, 1, 128, true>;
   using Params = WgradFp8Params;
@@ -461,7 +461,7 @@ struct WgradFp8Kind {
   // registers of bf16 pairs after its K loop and stored (one staging round, TMA) inside the next
   // tile's K loop: at gpt-oss sizes a tile has 2 K blocks, so a store at the end of each tile left
   // the tensor cores idle for about as long as its K loop.
-  static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
+  static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16 && Defer;
   static constexpr int kDeferredPieces = 1;
   struct Packed {
     uint32_t v[32];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
@@ -483,11 +483,16 @@ struct WgradFp8Kind {
     store_round<0, 0>(ctx, [&](int i) { return pk.v[i / 2]; },
                       Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
   }
-  // The fp32 outputs (sums; main grad += sums).
+  // The fp32 outputs (sums; main grad += sums), and bf16 without the deferral (LAB: A/B).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    static_assert(Mode != kWgradWriteBf16 || sizeof(Acc) == 0, "the bf16 output is stored by store_piece");
+    static_assert(!kDeferredEpilogue || sizeof(Acc) == 0, "the bf16 output is stored by store_piece");
     const Problem& pr = problem(p, t);
+    if constexpr (Mode == kWgradWriteBf16) {
+      store_round<0, 0>(ctx, [&](int i) { return pack_bf16x2(acc(i), acc(i + 1)); },
+                        Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < cute::size(acc); i += 2) {
       const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2), n = 128 * t.n_tile + ctx.col(i / 4);

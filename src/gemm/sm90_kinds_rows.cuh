@@ -198,18 +198,15 @@ __device__ inline void store_bf16_256(const EpiCtx& ctx, Acc& acc, const CUtenso
   store_packed<16, 0, 1>(ctx, acc, map, 256 * t.n_tile + 128, cols, t.row0);
 }
 
-// The standalone GEMM 2 and dx kernels (bf16 and FP8) defer this epilogue (consumer_warpgroup,
-// kDeferredEpilogue): the finished tile of kCols columns (256 for the bf16 kinds, 128 for the FP8
-// ones) is rounded into kCols / 4 registers of bf16 pairs (padding rows zero) and stored in
-// kCols / 128 rounds inside the next tile's K loop. Derived supplies out_map(p) and out_cols(p).
+// The standalone GEMM 2 and dx kernels defer this epilogue (consumer_warpgroup, kDeferredEpilogue): the
+// finished tile is rounded into 64 registers of bf16 pairs (padding rows zero) and stored in
+// two rounds inside the next tile's K loop. Derived supplies out_map(p) and out_cols(p).
 // On = false keeps the plain epilogue (the 2-CTA cluster kernels: 16 bytes spilled with it).
-template <class Derived, bool On, int kCols = 256>
-struct DeferredBf16Rows {
-  static_assert(kCols == 128 || kCols == 256, "one or two 128-column store rounds");
+template <class Derived, bool On>
+struct DeferredBf16x256 {
   static constexpr bool kDeferredEpilogue = On;
-  static constexpr int kDeferredPieces = kCols / 128;
   struct Packed {
-    uint32_t v[kCols / 4];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
+    uint32_t v[64];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
   };
   struct Pending {
     int row0, n_tile;
@@ -219,22 +216,18 @@ struct DeferredBf16Rows {
   __device__ static void pack(const P&, const RowTile& t, const EpiCtx& ctx, const Acc& acc, Packed& out) {
     const bool real0 = ctx.row_in_tile(0) < t.real_rows, real1 = ctx.row_in_tile(1) < t.real_rows;
 #pragma unroll
-    for (int i = 0; i < kCols / 4; ++i) {
-      out.v[i] = (i % 2 ? real1 : real0) ? pack_bf16x2(acc(2 * i), acc(2 * i + 1)) : 0u;
-    }
+    for (int i = 0; i < 64; ++i) out.v[i] = (i % 2 ? real1 : real0) ? pack_bf16x2(acc(2 * i), acc(2 * i + 1)) : 0u;
   }
   template <class P>
   __device__ static int piece_batch(const P& p, int piece) { return piece == 0 ? p.defer_round0 : p.defer_round1; }
   template <int Half, class P>
   __device__ static void store_piece(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
     const CUtensorMap* map = Derived::out_map(p);
-    const int col0 = kCols * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
+    const int col0 = 256 * t.n_tile + 128 * Half, cols = Derived::out_cols(p);
     store_round<16 * Half, Half>(ctx, [&](int i) { return pk.v[i / 2]; },
                                  Box2dStore{map, col0, cols, t.row0 + 64 * ctx.wg});
   }
 };
-template <class Derived, bool On>
-using DeferredBf16x256 = DeferredBf16Rows<Derived, On, 256>;
 
 struct Gemm2Params {
   CUtensorMap h;       // [rows, I], box 64 x 128

@@ -493,4 +493,87 @@ __device__ bool mma_mainloop_fp8(const typename Kind::Params& p, const Tile& til
   return true;
 }
 
+// The K loop of a one-block FP8 tile (kBN == kMmaN: GEMM 2, dx, wgrad) with each promotion
+// overlapping the next wgmma batch: two promotion fragments alternate (part0 for even K blocks,
+// part1 for odd), and batch k + 1 is issued before block k is promoted (wgmma.wait_group 1), so
+// the warpgroup's own next batch keeps the tensor cores busy while it promotes, where
+// mma_mainloop_fp8 leaves them to the other warpgroup. The same promotions in the same K order:
+// the same bits. Costs the second fragment's registers (64 for a 64 x 128 fragment).
+template <class Kind, class Cfg, class Tile, class Mma, class FragA, class FragB, class Acc, class Part, class Hook>
+__device__ bool mma_mainloop_fp8_overlapped(const typename Kind::Params& p, const Tile& tile, SharedStorage<Cfg>& ss,
+                                            PipeState<Cfg::kStages>& st, int k_steps, Mma& mma, const FragA& tCrA,
+                                            const FragB& tCrB, Acc& acc, Part& part0, Part& part1,
+                                            const EpiCtx& ctx, int trace_tile, Hook during_k_loop) {
+  using cute::_;
+  static_assert(Cfg::kBN == Cfg::kMmaN, "one promotion fragment covers the tile's columns");
+  constexpr int kPartSize = decltype(cute::size(part0))::value;
+  (void)trace_tile;
+  if (k_steps <= 0) {
+    during_k_loop(-1);
+    return true;
+  }
+  const int r0 = ctx.row_in_tile(0), r1 = ctx.row_in_tile(1);
+  // Batch of K block k (the stage at `st`, waited for) into `part`, committed; st advances.
+  auto issue = [&](int k, Part& part) -> bool {
+    if (!wait_barrier(&ss.bars.full[st.index], st.phase, p.err)) return false;
+    if (k == 0) MOK_GEMM_MARK(p.err, trace_tile, 2, clock64());
+    cute::warpgroup_fence_operand(part);
+    cute::warpgroup_arrive();
+    mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int kb = 0; kb < cute::size<2>(tCrA); ++kb) {
+      cute::gemm(mma, tCrA(_, _, kb, st.index), tCrB(_, _, kb, st.index), part);
+      mma.accumulate_ = cute::GMMA::ScaleOut::One;
+    }
+    cute::warpgroup_commit_batch();
+    st.advance();
+    return true;
+  };
+  PipeState<Cfg::kStages> rel = st;  // the stage of the block being promoted
+  float sb = Kind::b_scale(p, tile, 0, 0);
+  if (!issue(0, part0)) return false;
+  during_k_loop(0);
+  // Promotes block k from `cur` after issuing block k + 1 into `nxt`, then releases k's stage.
+  auto step = [&](int k, Part& cur, Part& nxt) -> bool {
+    float sb_next = 1.0f;
+    if (k + 1 < k_steps) {
+      sb_next = Kind::b_scale(p, tile, k + 1, 0);
+      if (!issue(k + 1, nxt)) {
+        cute::warpgroup_wait<0>();
+        return false;
+      }
+      during_k_loop(k + 1);
+      cute::warpgroup_wait<1>();
+    } else {
+      cute::warpgroup_wait<0>();
+    }
+    cute::warpgroup_fence_operand(cur);
+    const float sa0 = ss.scales.sa[rel.index][r0], sa1 = ss.scales.sa[rel.index][r1];
+    if constexpr (Cfg::kColScales) {
+      // acc = fmaf(part, sa[row] * sb[col], acc), sb from the stage (read before its release).
+      const float* sbc = ss.scales.sb[rel.index];
+#pragma unroll
+      for (int i = 0; i < kPartSize; i += 2) {
+        const float2 sbv = *reinterpret_cast<const float2*>(sbc + ctx.col(i / 4));
+        const float sar = (i / 2) % 2 ? sa1 : sa0;
+        acc(i) = fmaf(cur(i), sar * sbv.x, acc(i));
+        acc(i + 1) = fmaf(cur(i + 1), sar * sbv.y, acc(i + 1));
+      }
+    } else {
+      const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+      for (int i = 0; i < kPartSize; ++i) acc(i) = fmaf(cur(i), (i / 2) % 2 ? s1 : s0, acc(i));
+    }
+    release_stage(ss, rel.index, ctx.tid);
+    rel.advance();
+    sb = sb_next;
+    return true;
+  };
+  for (int k = 0; k < k_steps; k += 2) {
+    if (!step(k, part0, part1)) return false;
+    if (k + 1 < k_steps && !step(k + 1, part1, part0)) return false;
+  }
+  return true;
+}
+
 }  // namespace mok::gemm

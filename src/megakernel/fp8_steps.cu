@@ -48,9 +48,10 @@ void quantize_rows(const bf16* x, int64_t rows, int64_t cols, Fp8Saved to, const
 }
 
 // x^T of [rows, cols] bf16 `x`, 1x128 blocks along the rows (the tokens), into `q`: codes
-// [cols, rows], scales [rows / 128][cols].
+// [cols, rows], scales [rows / 128][cols]. With `rows_to`, x's 1x128 rows too, from the same read.
 gemm::Fp8Transposed quantize_transposed(const bf16* x, int64_t rows, int64_t cols, const Fp8Codes& q,
-                                        const int64_t* limit, gemm::NonFiniteRecord* rec, cudaStream_t stream) {
+                                        const int64_t* limit, gemm::NonFiniteRecord* rec, cudaStream_t stream,
+                                        const Fp8Saved* rows_to = nullptr) {
   gemm::QuantizeColsArgs a;
   a.x = x;
   a.rows = rows;
@@ -59,6 +60,10 @@ gemm::Fp8Transposed quantize_transposed(const bf16* x, int64_t rows, int64_t col
   a.scales_t = q.scales.get();
   a.nonfinite = rec;
   a.rows_limit = limit;
+  if (rows_to != nullptr) {
+    a.row_codes = rows_to->codes;
+    a.row_scales = rows_to->scales;
+  }
   gemm::quantize_cols_128x1_transposed(a, stream);
   return {q.codes.get(), q.scales.get()};
 }
@@ -393,7 +398,7 @@ void dgrad_hidden_fp8(gemm::DgradHiddenFp8Args a, const Fp8Codes& dg, const Fp8C
 
 void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
                         const SavedContext& saved, const Fp8Pass& pass, const GradInputs& out, bool shared, bool dh,
-                        bool dx, const gemm::Launch& launch, cudaStream_t stream) {
+                        bool dx, const gemm::Launch& launch, cudaStream_t stream, bool dy_t_too) {
   const LayerShape& s = state.shape();
   const Fp8WeightViews& w = *pass.weights;
   Fp8BackwardScratch& q = *bwd.fp8;
@@ -402,8 +407,14 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
     const gemm::Segments seg = shared_segments(fwd);
     const int64_t S = s.shared_intermediate;
     if (dh) {
-      quantize_rows(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy.out(), nullptr, rec + kFp8SharedDy,
-                    stream);
+      if (dy_t_too) {  // dy^T into x's buffer (backward_wgrad_fp8's dy_t_ready)
+        const Fp8Saved rows_to = q.shared_dy.out();
+        quantize_transposed(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, fwd.fp8->shared_x, nullptr,
+                            rec + kFp8SharedDy, stream, &rows_to);
+      } else {
+        quantize_rows(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy.out(), nullptr, rec + kFp8SharedDy,
+                      stream);
+      }
       dgrad_hidden_fp8({seg, s.hidden, S, q.shared_dy.rows(), w.shared_down().w_t, saved.shared_g, saved.shared_u,
                         out.shared_dg, out.shared_du},
                        q.shared_dg, q.shared_du, rec + kFp8SharedDgDu, launch, stream);
@@ -417,8 +428,14 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
   }
   const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
   if (dh) {
-    quantize_rows(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, q.dy.out(), padded_rows(saved.schedule), rec + kFp8Dy,
-                  stream);
+    if (dy_t_too) {  // dy^T into x's buffer (backward_wgrad_fp8's dy_t_ready)
+      const Fp8Saved rows_to = q.dy.out();
+      quantize_transposed(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, fwd.fp8->x, padded_rows(saved.schedule),
+                          rec + kFp8Dy, stream, &rows_to);
+    } else {
+      quantize_rows(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, q.dy.out(), padded_rows(saved.schedule),
+                    rec + kFp8Dy, stream);
+    }
     gemm::DgradHiddenFp8Args a{seg, s.hidden, s.intermediate, q.dy.rows(), w.down().w_t, saved.g, saved.u, out.dg,
                                out.du};
     a.row_w = bwd.row_w.get();
@@ -434,7 +451,7 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
 
 void backward_wgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
                         const SavedContext& saved, const bf16* x_rows, const WeightGrads& grads, const GradInputs& in,
-                        bool shared, const gemm::Launch& launch, cudaStream_t stream) {
+                        bool shared, const gemm::Launch& launch, cudaStream_t stream, bool dy_t_ready) {
   const LayerShape& s = state.shape();
   Fp8ForwardScratch& qf = *fwd.fp8;
   Fp8BackwardScratch& qb = *bwd.fp8;
@@ -446,16 +463,18 @@ void backward_wgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
   if (shared) {  // dy unscaled, over this rank's tokens; every row of the segment's tiles is zero past T
     const int64_t S = s.shared_intermediate, R = fwd.shared_rows;
     wa.seg = shared_segments(fwd);
-    const gemm::Fp8Transposed dy_t = quantize_transposed(bwd.shared_dy.get(), R, H, qb.shared_dy, nullptr,
-                                                         rec + kFp8SharedDy, stream);
+    // dy^T: in x's buffer when the dgrad's pass over dy wrote it (x^T then goes into dy's)
+    const gemm::Fp8Transposed dy_t =
+        dy_t_ready ? gemm::Fp8Transposed{qf.shared_x.codes.get(), qf.shared_x.scales.get()}
+                   : quantize_transposed(bwd.shared_dy.get(), R, H, qb.shared_dy, nullptr, rec + kFp8SharedDy, stream);
     const gemm::Fp8Transposed hs_t = quantize_transposed(in.shared_hs, R, S, qf.shared_h, nullptr,
                                                          rec + kFp8SharedHs, stream);
     const gemm::Fp8Transposed dg_t = quantize_transposed(in.shared_dg, R, S, qb.shared_dg, nullptr,
                                                          rec + kFp8SharedDgDu, stream);
     const gemm::Fp8Transposed du_t = quantize_transposed(in.shared_du, R, S, qb.shared_du, nullptr,
                                                          rec + kFp8SharedDgDu, stream);
-    const gemm::Fp8Transposed x_t = quantize_transposed(fwd.shared_x.get(), R, H, qf.shared_x, nullptr,
-                                                        rec + kFp8SharedX, stream);
+    const gemm::Fp8Transposed x_t = quantize_transposed(fwd.shared_x.get(), R, H, dy_t_ready ? qb.shared_dy : qf.shared_x,
+                                                        nullptr, rec + kFp8SharedX, stream);
     wa.problems[0] = {dy_t, hs_t, H, S, grads.shared_down};
     wa.problems[1] = {dg_t, x_t, S, H, grads.shared_gate};
     wa.problems[2] = {du_t, x_t, S, H, grads.shared_up};
@@ -465,11 +484,12 @@ void backward_wgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
   const int64_t I = s.intermediate, R = bwd.buffer_rows;
   const int64_t* live = padded_rows(saved.schedule);
   wa.seg = gemm::Segments{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), R};
-  const gemm::Fp8Transposed dy_t = quantize_transposed(bwd.dy_rows.get(), R, H, qb.dy, live, rec + kFp8Dy, stream);
+  const gemm::Fp8Transposed dy_t = dy_t_ready ? gemm::Fp8Transposed{qf.x.codes.get(), qf.x.scales.get()}
+                                              : quantize_transposed(bwd.dy_rows.get(), R, H, qb.dy, live, rec + kFp8Dy, stream);
   const gemm::Fp8Transposed hs_t = quantize_transposed(in.hs, R, I, qf.h, live, rec + kFp8Hs, stream);
   const gemm::Fp8Transposed dg_t = quantize_transposed(in.dg, R, I, qb.dg, live, rec + kFp8DgDu, stream);
   const gemm::Fp8Transposed du_t = quantize_transposed(in.du, R, I, qb.du, live, rec + kFp8DgDu, stream);
-  const gemm::Fp8Transposed x_t = quantize_transposed(x_rows, R, H, qf.x, live, rec + kFp8X, stream);
+  const gemm::Fp8Transposed x_t = quantize_transposed(x_rows, R, H, dy_t_ready ? qb.dy : qf.x, live, rec + kFp8X, stream);
   wa.problems[0] = {dy_t, hs_t, H, I, grads.down, grads.down_expert_stride};
   wa.problems[1] = {dg_t, x_t, I, H, grads.gate, grads.gate_expert_stride};
   wa.problems[2] = {du_t, x_t, I, H, grads.up, grads.up_expert_stride};

@@ -143,14 +143,19 @@ void round_activations_fp8(const LayerShape& shape, ForwardBuffers& fwd, const c
 
 // The backward's dgrad chain in FP8 for the shared expert (shared) or the routed experts: dy rows
 // quantized, dh + SwiGLU backward (with the d topk_w parts when routed) into out's dg, du, then dx.
+// With dy_t_too (dh, and the FP8 weight gradients to follow in the same pass) the one pass over dy
+// also writes dy^T (quantize_cols_128x1_transposed's row_codes), into x's FP8 buffer (free in a
+// backward; x^T then goes into dy's): backward_wgrad_fp8 with dy_t_ready reads it there.
 void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
                         const SavedContext& saved, const Fp8Pass& pass, const GradInputs& out, bool shared,
-                        bool dh, bool dx, const gemm::Launch& launch, cudaStream_t stream);
+                        bool dh, bool dx, const gemm::Launch& launch, cudaStream_t stream, bool dy_t_too = false);
 
 // The K-grouped weight gradients in FP8 for the shared expert or the routed ones: each operand
-// transposed and quantized along the tokens, then wgrad_fp8 (three problems, grads.mode).
+// transposed and quantized along the tokens, then wgrad_fp8 (three problems, grads.mode); dy^T as
+// backward_dgrad_fp8 left it with dy_t_too when dy_t_ready.
 void backward_wgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers& bwd,
                         const SavedContext& saved, const bf16* x_rows, const WeightGrads& grads,
-                        const GradInputs& in, bool shared, const gemm::Launch& launch, cudaStream_t stream);
+                        const GradInputs& in, bool shared, const gemm::Launch& launch, cudaStream_t stream,
+                        bool dy_t_ready = false);
 
 }  // namespace mok::megakernel

@@ -253,9 +253,15 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   const int64_t R = bwd.buffer_rows;
   const gemm::Launch launch = gemm_launch(fwd, o.gemm_grid, o.timeout_s);
   // The K-grouped weight gradients of the shared or the routed experts, in FP8 or bf16.
+  // FP8 weight gradients after the dh GEMM in this pass: dh's quantization of dy writes dy^T too
+  // (one read of the dy rows for both orientations; backward_dgrad_fp8's dy_t_too).
+  const bool fp8_wgrad = o.fp8 != nullptr && o.fp8->fp8_wgrad;
+  const bool dy_t_shared = fp8_wgrad && (parts & kSharedDh) && (parts & kSharedWgrad);
+  const bool dy_t_routed = fp8_wgrad && (parts & kRoutedDh) && (parts & kRoutedWgrad);
   auto weight_grads = [&](bool shared) {
-    if (o.fp8 != nullptr && o.fp8->fp8_wgrad) {
-      backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, shared, launch, stream);
+    if (fp8_wgrad) {
+      backward_wgrad_fp8(state, fwd, bwd, saved, x_rows_of(state, bwd), grads, out, shared, launch, stream,
+                         shared ? dy_t_shared : dy_t_routed);
     } else {
       gemm::wgrad(backward_wgrad_args(state, fwd, bwd, saved, grads, out, shared), launch, stream);
     }
@@ -275,7 +281,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
     if (o.fp8 != nullptr) {
       if (parts & (kSharedDh | kSharedDx)) {
         backward_dgrad_fp8(state, fwd, bwd, saved, *o.fp8, out, true, parts & kSharedDh, parts & kSharedDx, launch,
-                           stream);
+                           stream, dy_t_shared);
       }
     } else {
       if (parts & kSharedDh) {
@@ -302,7 +308,7 @@ void backward_gemms(comm::CommState& state, ForwardBuffers& fwd, BackwardBuffers
   if (o.fp8 != nullptr) {
     if (parts & (kRoutedDh | kRoutedDx)) {
       backward_dgrad_fp8(state, fwd, bwd, saved, *o.fp8, out, false, parts & kRoutedDh, parts & kRoutedDx, launch,
-                         stream);
+                         stream, dy_t_routed);
     }
   } else {
     gemm::DgradHiddenArgs dh{seg, H, I, bwd.dy_rows.get(), w.down, saved.g, saved.u, out.dg, out.du};

@@ -520,6 +520,89 @@ TEST(Fp8Quantize, NonFiniteReportsFirstInRowMajorOrder) {
   }
 }
 
+// The transposed quantizer with the row quantization of the same x in the same pass
+// (QuantizeColsArgs::row_codes; the FP8 backward's dy): both outputs bit for bit the two quantizers',
+// on the vector path (one pass) and where the layouts fall back to two passes (odd ld, odd cols), with
+// a device row limit (rows past it untouched in both outputs) and non-finite values.
+Outputs run_cols_rows(const ColsCase& k, int64_t codes_ld, const Bits& x, gemm::NonFiniteRecord* rec,
+                      const int64_t* limit_dev) {
+  DeviceBuffer<uint16_t> dx = device_input(x, k.x_off);
+  DeviceBuffer<uint8_t> codes_t(static_cast<size_t>(k.cols * k.codes_t_ld_() + kTail));
+  DeviceBuffer<float> scales_t(static_cast<size_t>(ceil128(k.rows) * k.scales_t_ld_() + kTail));
+  DeviceBuffer<uint8_t> codes(static_cast<size_t>(k.rows * codes_ld + kTail));
+  DeviceBuffer<float> scales(static_cast<size_t>(ceil128(k.cols) * k.rows + kTail));
+  codes_t.poison();
+  scales_t.poison();
+  codes.poison();
+  scales.poison();
+  gemm::QuantizeColsArgs a;
+  a.x = as_bf16(dx.ptr + k.x_off);
+  a.rows = k.rows, a.cols = k.cols, a.ld = k.ld;
+  a.codes_t = codes_t.ptr, a.codes_t_ld = k.codes_t_ld;
+  a.scales_t = scales_t.ptr, a.scales_t_ld = k.scales_t_ld;
+  a.row_codes = codes.ptr, a.row_codes_ld = codes_ld;
+  a.row_scales = scales.ptr;
+  a.nonfinite = rec;
+  a.rows_limit = limit_dev;
+  gemm::quantize_cols_128x1_transposed(a, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {codes.download(), codes_t.download(), scales.download(), scales_t.download()};
+}
+
+TEST(Fp8Quantize, ColsWithRowsMatchBothQuantizers) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    ColsCase k;
+    int64_t codes_ld, live;  // live: the device row limit (rows = none)
+  };
+  const Case cases[] = {
+      {{300, 136, 0, 320, 0, 7}, 144, 300},       // vector path: partial row and column tiles
+      {{300, 2880, 0, 304, 0, 0}, 2880, 257},     // gpt-oss's H, a row limit inside a tile
+      {{130, 264, 272, 144, 0, -120}, 272, 130},  // strided x
+      {{200, 77, 80, 208, 77, 9}, 80, 200},       // odd cols: the two passes
+      {{129, 256, 258, 144, 0, 3}, 256, 100},     // odd ld: the two passes, with a limit
+  };
+  uint32_t seed = 400;
+  for (const Case& c : cases) {
+    const ColsCase& k = c.k;
+    Record rec;
+    Bits x = random_wide(k.rows, k.cols, k.ld_(), seed++, k.base);
+    // one non-finite value inside the live rows: reported, counted as +0 by both outputs
+    const int64_t bad = (c.live / 2) * k.ld_() + k.cols / 3;
+    x[bad] = kNaN;
+    DeviceBuffer<int64_t> limit(1);
+    cudaMemcpy(limit.ptr, &c.live, sizeof c.live, cudaMemcpyHostToDevice);
+    const Outputs got = run_cols_rows(k, c.codes_ld, x, rec.d.ptr, limit.ptr);
+    // want: the live rows of the input with the bad value zeroed, through each reference quantizer
+    const Bits xz = zeroed(x, {bad});
+    const Bits live(xz.begin(), xz.begin() + c.live * k.ld_());
+    ColsCase kl = k;
+    kl.rows = c.live;
+    const Outputs wc = want_cols(kl, live);
+    const RowsCase rk{c.live, k.cols, k.ld, c.codes_ld, 0, k.base};
+    const Outputs wr = want_rows(rk, live);
+    // expected buffers at the full sizes: the reference's values in the live part, poison elsewhere
+    Outputs want{std::vector<uint8_t>(static_cast<size_t>(k.rows * c.codes_ld + kTail), 0xFF),
+                 std::vector<uint8_t>(static_cast<size_t>(k.cols * k.codes_t_ld_() + kTail), 0xFF),
+                 std::vector<float>(static_cast<size_t>(ceil128(k.cols) * k.rows + kTail), kPoisonScale),
+                 std::vector<float>(static_cast<size_t>(ceil128(k.rows) * k.scales_t_ld_() + kTail), kPoisonScale)};
+    for (int64_t r = 0; r < c.live; ++r) {
+      for (int64_t col = 0; col < k.cols; ++col) want.codes[r * c.codes_ld + col] = wr.codes[r * c.codes_ld + col];
+      for (int64_t b = 0; b < ceil128(k.cols); ++b) want.scales[b * k.rows + r] = wr.scales[b * c.live + r];
+    }
+    for (int64_t col = 0; col < k.cols; ++col) {
+      for (int64_t r = 0; r < c.live; ++r) want.codes_t[col * k.codes_t_ld_() + r] = wc.codes_t[col * k.codes_t_ld_() + r];
+      for (int64_t b = 0; b < ceil128(c.live); ++b) {
+        want.scales_t[b * k.scales_t_ld_() + col] = wc.scales_t[b * k.scales_t_ld_() + col];
+      }
+    }
+    expect_same(got, want, k.name() + " with rows (live " + std::to_string(c.live) + ")");
+    const int64_t br = bad / k.ld_(), bc = bad % k.ld_();
+    expect_nonfinite(rec.d.ptr, k.cols, "dy",
+                     "dy at row " + std::to_string(br) + ", column " + std::to_string(bc));
+  }
+}
+
 // ---- repeatability on larger shapes ----
 
 TEST(Fp8Quantize, BitwiseRepeatable) {
