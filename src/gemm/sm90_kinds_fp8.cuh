@@ -22,6 +22,10 @@ namespace mok::gemm {
 // 128-column tiles, 3 x (16 + 32 + 0.5) KiB for GEMM 1's 256 (4 exceed shared memory by 1 KiB).
 inline constexpr int kFp8PipeStages = 5;
 inline constexpr int kFp8Gemm1Stages = 3;
+// GEMM 1 and dh (256-column tiles, gate | up): 64-column wgmma blocks, so two promotion fragments fit
+// beside the 64 x 256 accumulator and each promotion overlaps the next batch
+// (mma_mainloop_fp8_overlapped).
+inline constexpr int kFp8Gemm1MmaN = 64;
 
 // The deferred bf16 epilogue of the FP8 wgrad (consumer_warpgroup): a tile's one store round runs
 // after wgmma batch kFp8DeferRound of the next tile's K loop in warpgroup 0 and kFp8DeferWg1Shift
@@ -250,8 +254,8 @@ struct Gemm1SwigluFp8Params {
 
 template <int C>
 struct Gemm1SwigluFp8Kind
-    : RowKindBase<Gemm1SwigluFp8Kind<C>, Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>> {
-  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>;
+    : RowKindBase<Gemm1SwigluFp8Kind<C>, Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>> {
+  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>;
   using Params = Gemm1SwigluFp8Params;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.x);
@@ -335,8 +339,8 @@ struct DgradHiddenFp8Params {
 
 template <int C, bool kRouted>
 struct DgradHiddenFp8KindT
-    : RowKindBase<DgradHiddenFp8KindT<C, kRouted>, Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>> {
-  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>;
+    : RowKindBase<DgradHiddenFp8KindT<C, kRouted>, Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>> {
+  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>;
   using Params = DgradHiddenFp8Params;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dys);

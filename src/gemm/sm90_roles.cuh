@@ -493,60 +493,53 @@ __device__ bool mma_mainloop_fp8(const typename Kind::Params& p, const Tile& til
   return true;
 }
 
-// The K loop of a one-block FP8 tile (kBN == kMmaN: GEMM 2, dx, wgrad) with each promotion
-// overlapping the next wgmma batch: two promotion fragments alternate (part0 for even K blocks,
-// part1 for odd), and batch k + 1 is issued before block k is promoted (wgmma.wait_group 1), so
-// the warpgroup's own next batch keeps the tensor cores busy while it promotes, where
-// mma_mainloop_fp8 leaves them to the other warpgroup. The same promotions in the same K order:
-// the same bits. Costs the second fragment's registers (64 for a 64 x 128 fragment).
+// The FP8 configs that run mma_mainloop_fp8_overlapped: one column block (BN = kMmaN = 128), or
+// 64-column blocks (a 64 x 256 accumulator and two 32-register promotion fragments: the registers
+// of mma_mainloop_fp8's one 64 x 128 fragment).
+template <class Cfg>
+inline constexpr bool kFp8OverlappedLoop = Cfg::kBN == Cfg::kMmaN || Cfg::kMmaN == 64;
+
+// The FP8 K loop with each promotion overlapping the next wgmma batch. The batches run in K order,
+// and within a K block over its column blocks c (kParts = kBN / kMmaN of kMmaN columns: 1 for GEMM 2,
+// dx and wgrad; 4 for GEMM 1 and dh, gate | up as 64-column blocks); two promotion fragments
+// alternate, and each batch is issued before the previous one is promoted (warpgroup_wait<1>), so the
+// warpgroup's own next batch runs on the tensor cores while it promotes, where mma_mainloop_fp8 leaves
+// them to the other warpgroup. Promotion of block (k, c): acc(kPartSize c + i) = fmaf(part(i),
+// sa[row] * sb, acc(..)), sb = Kind::b_scale(p, tile, k, c * kMmaN / 128) (the weight block under
+// the columns) or per column (kColScales, kParts = 1). The same promotions in the same order as
+// mma_mainloop_fp8: the same bits. The second fragment costs 64 (kMmaN 128) or 32 (64) registers.
 template <class Kind, class Cfg, class Tile, class Mma, class FragA, class FragB, class Acc, class Part, class Hook>
 __device__ bool mma_mainloop_fp8_overlapped(const typename Kind::Params& p, const Tile& tile, SharedStorage<Cfg>& ss,
                                             PipeState<Cfg::kStages>& st, int k_steps, Mma& mma, const FragA& tCrA,
                                             const FragB& tCrB, Acc& acc, Part& part0, Part& part1,
                                             const EpiCtx& ctx, int trace_tile, Hook during_k_loop) {
   using cute::_;
-  static_assert(Cfg::kBN == Cfg::kMmaN, "one promotion fragment covers the tile's columns");
+  constexpr int kParts = Cfg::kBN / Cfg::kMmaN;
   constexpr int kPartSize = decltype(cute::size(part0))::value;
+  static_assert(kParts == 1 || kParts % 2 == 0, "the fragment of block (k, c) is part(c % 2) or, kParts 1, part(k % 2)");
+  static_assert(kParts == 1 || !Cfg::kColScales, "column scales with one column block");
+  static_assert(kPartSize * kParts == decltype(cute::size(acc))::value, "column blocks tile the fragment");
   (void)trace_tile;
   if (k_steps <= 0) {
     during_k_loop(-1);
     return true;
   }
   const int r0 = ctx.row_in_tile(0), r1 = ctx.row_in_tile(1);
-  // Batch of K block k (the stage at `st`, waited for) into `part`, committed; st advances.
-  auto issue = [&](int k, Part& part) -> bool {
-    if (!wait_barrier(&ss.bars.full[st.index], st.phase, p.err)) return false;
-    if (k == 0) MOK_GEMM_MARK(p.err, trace_tile, 2, clock64());
+  // Batch (k, c) into `part` from stage `s` (waited for), committed.
+  auto issue = [&](int s, int c, Part& part) {
     cute::warpgroup_fence_operand(part);
     cute::warpgroup_arrive();
     mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
 #pragma unroll
     for (int kb = 0; kb < cute::size<2>(tCrA); ++kb) {
-      cute::gemm(mma, tCrA(_, _, kb, st.index), tCrB(_, _, kb, st.index), part);
+      cute::gemm(mma, tCrA(_, _, kb, s), tCrB(_, _, kb, s * kParts + c), part);
       mma.accumulate_ = cute::GMMA::ScaleOut::One;
     }
     cute::warpgroup_commit_batch();
-    st.advance();
-    return true;
   };
-  PipeState<Cfg::kStages> rel = st;  // the stage of the block being promoted
-  float sb = Kind::b_scale(p, tile, 0, 0);
-  if (!issue(0, part0)) return false;
-  during_k_loop(0);
-  // Promotes block k from `cur` after issuing block k + 1 into `nxt`, then releases k's stage.
-  auto step = [&](int k, Part& cur, Part& nxt) -> bool {
-    float sb_next = 1.0f;
-    if (k + 1 < k_steps) {
-      sb_next = Kind::b_scale(p, tile, k + 1, 0);
-      if (!issue(k + 1, nxt)) {
-        cute::warpgroup_wait<0>();
-        return false;
-      }
-      during_k_loop(k + 1);
-      cute::warpgroup_wait<1>();
-    } else {
-      cute::warpgroup_wait<0>();
-    }
+  auto b_scale = [&](int k, int c) { return Kind::b_scale(p, tile, k, c * Cfg::kMmaN / 128); };
+  // Promotes `cur` (block c of the stage at `rel`) into acc.
+  auto promote = [&](const PipeState<Cfg::kStages>& rel, int c, float sb, Part& cur) {
     cute::warpgroup_fence_operand(cur);
     const float sa0 = ss.scales.sa[rel.index][r0], sa1 = ss.scales.sa[rel.index][r1];
     if constexpr (Cfg::kColScales) {
@@ -562,16 +555,83 @@ __device__ bool mma_mainloop_fp8_overlapped(const typename Kind::Params& p, cons
     } else {
       const float s0 = sa0 * sb, s1 = sa1 * sb;
 #pragma unroll
-      for (int i = 0; i < kPartSize; ++i) acc(i) = fmaf(cur(i), (i / 2) % 2 ? s1 : s0, acc(i));
+      for (int i = 0; i < kPartSize; ++i) {
+        acc(kPartSize * c + i) = fmaf(cur(i), (i / 2) % 2 ? s1 : s0, acc(kPartSize * c + i));
+      }
     }
-    release_stage(ss, rel.index, ctx.tid);
-    rel.advance();
-    sb = sb_next;
-    return true;
   };
-  for (int k = 0; k < k_steps; k += 2) {
-    if (!step(k, part0, part1)) return false;
-    if (k + 1 < k_steps && !step(k + 1, part1, part0)) return false;
+  PipeState<Cfg::kStages> rel = st;  // the stage of the block being promoted
+  float sb[kParts];
+#pragma unroll
+  for (int c = 0; c < kParts; ++c) sb[c] = b_scale(0, c);
+  if (!wait_barrier(&ss.bars.full[st.index], st.phase, p.err)) return false;
+  MOK_GEMM_MARK(p.err, trace_tile, 2, clock64());
+  issue(st.index, 0, part0);
+  st.advance();
+  during_k_loop(0);
+  if constexpr (kParts == 1) {
+    // Block k from `cur` after issuing block k + 1 into `nxt`; fragments alternate by k.
+    auto step = [&](int k, Part& cur, Part& nxt) -> bool {
+      const float sb_k = sb[0];
+      if (k + 1 < k_steps) {
+        sb[0] = b_scale(k + 1, 0);
+        if (!wait_barrier(&ss.bars.full[st.index], st.phase, p.err)) {
+          cute::warpgroup_wait<0>();
+          return false;
+        }
+        issue(st.index, 0, nxt);
+        st.advance();
+        during_k_loop(k + 1);
+        cute::warpgroup_wait<1>();
+      } else {
+        cute::warpgroup_wait<0>();
+      }
+      promote(rel, 0, sb_k, cur);
+      release_stage(ss, rel.index, ctx.tid);
+      rel.advance();
+      return true;
+    };
+    for (int k = 0; k < k_steps; k += 2) {
+      if (!step(k, part0, part1)) return false;
+      if (k + 1 < k_steps && !step(k + 1, part1, part0)) return false;
+    }
+  } else {
+    // Block (k, c) from part(c % 2) after issuing the next batch, (k, c + 1) or (k + 1, 0), into the
+    // other fragment.
+    for (int k = 0; k < k_steps; ++k) {
+#pragma unroll
+      for (int c = 0; c < kParts; ++c) {
+        Part& cur = c % 2 ? part1 : part0;
+        Part& nxt = c % 2 ? part0 : part1;
+        const float sb_c = sb[c];
+        bool issued = true;
+        if (c + 1 < kParts) {
+          issue(rel.index, c + 1, nxt);
+        } else if (k + 1 < k_steps) {
+#pragma unroll
+          for (int q = 0; q < kParts; ++q) sb[q] = b_scale(k + 1, q);
+          if (!wait_barrier(&ss.bars.full[st.index], st.phase, p.err)) {
+            cute::warpgroup_wait<0>();
+            return false;
+          }
+          issue(st.index, 0, nxt);
+          st.advance();
+          during_k_loop(k + 1);
+        } else {
+          issued = false;
+        }
+        if (issued) {
+          cute::warpgroup_wait<1>();
+        } else {
+          cute::warpgroup_wait<0>();
+        }
+        promote(rel, c, sb_c, cur);
+        if (c == kParts - 1) {
+          release_stage(ss, rel.index, ctx.tid);
+          rel.advance();
+        }
+      }
+    }
   }
   return true;
 }
