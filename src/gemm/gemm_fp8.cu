@@ -1,5 +1,4 @@
 // Launchers of the FP8 kinds (sm_90a): validation, TMA descriptors, launch.
-#include <cstdlib>
 #include <string>
 
 #include "mok/error.hpp"
@@ -248,17 +247,7 @@ void wgrad_fp8(const WgradFp8Args& a, const Launch& launch, cudaStream_t stream)
   p.sched.group_m = kGroupM;
   switch (a.mode) {
     case WgradOut::kPartialFp32: launch_fp8<WgradFp8Kind<kWgradPartialFp32>>(p, launch, stream); break;
-    case WgradOut::kWriteBf16: {
-      // LAB (A/B of the deferred store beside the overlapped K loop; removed once decided).
-      static const bool defer = std::getenv("MOK_LAB_FP8_WGRAD_DEFER") == nullptr ||
-                                std::atoi(std::getenv("MOK_LAB_FP8_WGRAD_DEFER")) != 0;
-      if (defer) {
-        launch_fp8<WgradFp8Kind<kWgradWriteBf16>>(p, launch, stream);
-      } else {
-        launch_fp8<WgradFp8Kind<kWgradWriteBf16, false>>(p, launch, stream);
-      }
-      break;
-    }
+    case WgradOut::kWriteBf16: launch_fp8<WgradFp8Kind<kWgradWriteBf16>>(p, launch, stream); break;
     case WgradOut::kAccumulateFp32: launch_fp8<WgradFp8Kind<kWgradAccumulateFp32>>(p, launch, stream); break;
     default: throw_invalid("mode", "a WgradOut value", std::to_string(static_cast<int>(a.mode)));
   }

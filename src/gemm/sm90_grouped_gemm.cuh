@@ -69,8 +69,6 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
   static_assert(decltype(cute::size(acc))::value == Cfg::kBN / 2, "64xBN fragment per thread");
   // FP8 tiles: the fragment each stage's wgmma batch sums into before its promotion.
   [[maybe_unused]] auto part = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kMmaN>{}));
-  // FP8 tiles with the overlapped K loop: a second one, so a block's promotion overlaps the next batch.
-  [[maybe_unused]] auto part_next = cute::partition_fragment_C(mma, cute::make_shape(cute::Int<Cfg::kBM>{}, cute::Int<Cfg::kMmaN>{}));
 
   const EpiCtx ctx = make_epi_ctx(ss, ctid / kWarpGroupThreads, ctid % kWarpGroupThreads);
 
@@ -131,10 +129,7 @@ __device__ void consumer_warpgroup(const typename Kind::Params& p, SharedStorage
         (piece_at(std::integral_constant<int, P + 1>{}, k), ...);
       }(std::make_integer_sequence<int, kPieces - 1>{});
     };
-    if constexpr (Cfg::kFp8 && kFp8OverlappedLoop<Cfg>) {
-      ok = mma_mainloop_fp8_overlapped<Kind>(p, tile, ss, st, k_steps, mma, tCrA, tCrB, acc, part, part_next, ctx,
-                                             mark_tile, during_k_loop);
-    } else if constexpr (Cfg::kFp8) {
+    if constexpr (Cfg::kFp8) {
       ok = mma_mainloop_fp8<Kind>(p, tile, ss, st, k_steps, mma, tCrA, tCrB, acc, part, ctx, mark_tile, during_k_loop);
     } else {
       ok = mma_mainloop<Cfg>(ss, st, k_steps, mma, tCrA, tCrB, acc, p.err, ctx.tid, mark_tile, during_k_loop);

@@ -22,10 +22,6 @@ namespace mok::gemm {
 // 128-column tiles, 3 x (16 + 32 + 0.5) KiB for GEMM 1's 256 (4 exceed shared memory by 1 KiB).
 inline constexpr int kFp8PipeStages = 5;
 inline constexpr int kFp8Gemm1Stages = 3;
-// GEMM 1 and dh (256-column tiles, gate | up): 64-column wgmma blocks, so two promotion fragments fit
-// beside the 64 x 256 accumulator and each promotion overlaps the next batch
-// (mma_mainloop_fp8_overlapped).
-inline constexpr int kFp8Gemm1MmaN = 64;
 
 // The deferred bf16 epilogue of the FP8 wgrad (consumer_warpgroup): a tile's one store round runs
 // after wgmma batch kFp8DeferRound of the next tile's K loop in warpgroup 0 and kFp8DeferWg1Shift
@@ -254,8 +250,8 @@ struct Gemm1SwigluFp8Params {
 
 template <int C>
 struct Gemm1SwigluFp8Kind
-    : RowKindBase<Gemm1SwigluFp8Kind<C>, Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>> {
-  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>;
+    : RowKindBase<Gemm1SwigluFp8Kind<C>, Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>> {
+  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>;
   using Params = Gemm1SwigluFp8Params;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.x);
@@ -339,8 +335,8 @@ struct DgradHiddenFp8Params {
 
 template <int C, bool kRouted>
 struct DgradHiddenFp8KindT
-    : RowKindBase<DgradHiddenFp8KindT<C, kRouted>, Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>> {
-  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, kFp8Gemm1MmaN>;
+    : RowKindBase<DgradHiddenFp8KindT<C, kRouted>, Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>> {
+  using Cfg = Fp8TileConfig<256, kFp8Gemm1Stages, C, 128>;
   using Params = DgradHiddenFp8Params;
   __device__ static void prefetch_descriptors(const Params& p) {
     cute::prefetch_tma_descriptor(&p.dys);
@@ -426,7 +422,7 @@ struct WgradFp8Params {
   int defer_round0 = kFp8DeferRound, defer_next = kFp8DeferNext, defer_wg1_shift = kFp8DeferWg1Shift;
 };
 
-template <int Mode, bool Defer = true>
+template <int Mode>
 struct WgradFp8Kind {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, 1, 128, true>;
   using Params = WgradFp8Params;
@@ -465,7 +461,7 @@ struct WgradFp8Kind {
   // registers of bf16 pairs after its K loop and stored (one staging round, TMA) inside the next
   // tile's K loop: at gpt-oss sizes a tile has 2 K blocks, so a store at the end of each tile left
   // the tensor cores idle for about as long as its K loop.
-  static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16 && Defer;
+  static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
   static constexpr int kDeferredPieces = 1;
   struct Packed {
     uint32_t v[32];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
@@ -487,16 +483,11 @@ struct WgradFp8Kind {
     store_round<0, 0>(ctx, [&](int i) { return pk.v[i / 2]; },
                       Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
   }
-  // The fp32 outputs (sums; main grad += sums), and bf16 without the deferral (LAB: A/B).
+  // The fp32 outputs (sums; main grad += sums).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {
-    static_assert(!kDeferredEpilogue || sizeof(Acc) == 0, "the bf16 output is stored by store_piece");
+    static_assert(Mode != kWgradWriteBf16 || sizeof(Acc) == 0, "the bf16 output is stored by store_piece");
     const Problem& pr = problem(p, t);
-    if constexpr (Mode == kWgradWriteBf16) {
-      store_round<0, 0>(ctx, [&](int i) { return pack_bf16x2(acc(i), acc(i + 1)); },
-                        Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < cute::size(acc); i += 2) {
       const int m = 128 * t.m_tile + ctx.row_in_tile((i / 2) % 2), n = 128 * t.n_tile + ctx.col(i / 4);
