@@ -512,7 +512,9 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
       a8.g_scales = dalloc<float>(ib * R);
       a8.u_scales = dalloc<float>(ib * R);
       a8.gu_nonfinite = rec;
+      trace_begin();
       const float ms8 = median_ms([&] { gemm1_swiglu_fp8(a8, L, stream); }, reps, stream);
+      trace_report("gemm1_swiglu_fp8_gu8");
       res.push_back({"gemm1_swiglu_fp8_gu8", f1, ms8, dense(M, 2 * I, H), 0});
     }
     // dgrad of GEMM 1 in FP8 (dg, du codes: reuse h's buffer twice; W^T codes: reuse W_gate's,
@@ -526,7 +528,9 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
     a2.w_gate_t = {gc, gs};
     a2.w_up_t = {uc, us};
     a2.dx = out;
+    trace_begin();
     const float ms2 = median_ms([&] { dgrad_input_fp8(a2, L, stream); }, reps, stream);
+    trace_report("dgrad_dx_fp8");
     res.push_back({"dgrad_dx_fp8", 2.0 * rr * 2 * I * H, ms2, dense(M, H, 2 * I), 0});
     // dgrad of GEMM 2 + SwiGLU backward in FP8 (dys: x's codes; W_down^T: W_gate's of the same
     // size [E, I, H]; g, u: GEMM 1's outputs above), beside dgrad_dh_swiglu.
@@ -556,7 +560,9 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
       a3.dw_part = dalloc<float>(R * dgrad_hidden_col_tiles(I));
       fill_scales<<<256, 256>>>(row_w, R, 21);
       CK(cudaDeviceSynchronize());
+      trace_begin();
       const float ms3r = median_ms([&] { dgrad_hidden_swiglu_fp8(a3, L, stream); }, reps, stream);
+      trace_report("dgrad_dh_fp8_routed");
       res.push_back({"dgrad_dh_swiglu_fp8_routed", 2.0 * rr * H * I, ms3r, dense(M, I, H), 0});
       CK(cudaFree(row_w));
       CK(cudaFree(a3.dw_part));
@@ -641,7 +647,10 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
       a8.problems[1] = {{ci, si}, {ch, sh}, I, H, dw_g};
       a8.problems[2] = {{ci, si}, {ch, sh}, I, H, dw_u};
       a8.mode = WgradOut::kWriteBf16;
-      res.push_back({"wgrad_fp8", f, median_ms([&] { wgrad_fp8(a8, L, stream); }, reps, stream), d, 0});
+      trace_begin();
+      const float ms8 = median_ms([&] { wgrad_fp8(a8, L, stream); }, reps, stream);
+      trace_report("wgrad_fp8");
+      res.push_back({"wgrad_fp8", f, ms8, d, 0});
       a8.mode = WgradOut::kAccumulateFp32;
       a8.problems[0].out = mg;
       a8.problems[1].out = mg + E * H * I;

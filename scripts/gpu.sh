@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 BIN=.devbin
 BUILD=${BUILD:-build}
 GPU_STEPS="info tests sanitizers torchrun demo soak python"
-GPU_STEPS+=" bench-gemm bench-forward bench-backward bench-comm bench-python profile train trace"
+GPU_STEPS+=" bench-gemm bench-forward bench-backward bench-comm bench-python profile train trace trace-gemm"
 ALL="info tests sanitizers torchrun demo soak python"
 SKIP=77  # a step function returns this when it does not apply
 
@@ -48,6 +48,9 @@ GPU machine (carry .devbin; each step's log goes to \$OUT/<step>.log, else to .d
   trace           the trace build's bench_forward --shapes dsv3,qwen3,gptoss --comm 16 --iters 3 --trace and
                   bench_backward --shapes dsv3,qwen3,gptoss --grad-mode bf16 --iters 3 --trace (BENCH_ARGS_BWD
                   replaces the latter's arguments), each read by scripts/forward_trace.py (needs TRACE=1 at build)
+  trace-gemm      the trace build's bench_gemm --shape qwen3 --quick --segments uniform (BENCH_ARGS replaces the
+                  arguments): per kind, bf16 and FP8, cycles per tile = seed + first stage + K loop + epilogue
+                  and the CTAs' spread (needs TRACE=1 at build)
   all             $ALL
 
 Environment: OUT (logs and results), MOK_COMMIT (commit in bench records; default the
@@ -80,7 +83,7 @@ build() {
   tests=$(names tests/gpu/test_*.cu) benches=$(names bench/bench_*.cu bench/bench_*.cpp)
   build_into "$BUILD" "$BIN" "$tests $benches" || return 1
   if [ "${TRACE:-0}" = 1 ]; then
-    build_into "$BUILD-trace" "$BIN/trace" "bench_forward bench_backward" -DMOK_FORWARD_TRACE=ON -DMOK_BUILD_TESTS=OFF \
+    build_into "$BUILD-trace" "$BIN/trace" "bench_forward bench_backward bench_gemm" -DMOK_FORWARD_TRACE=ON -DMOK_BUILD_TESTS=OFF \
       || return 1
   fi
   git rev-parse --short HEAD > "$BIN/COMMIT" 2>/dev/null || rm -f "$BIN/COMMIT"
@@ -267,6 +270,16 @@ step_trace() {  # the forward and the backward (bf16 weight gradients), read by 
     else fail "no $pass trace files written"; fi
   done
   rm -rf "$dir"
+}
+
+step_trace_gemm() {  # the GEMM kinds alone, per-tile phases (bench_gemm's trace lines)
+  local t=$BIN/trace args
+  if [ ! -x "$t/bench_gemm" ]; then
+    echo "no trace build of bench_gemm in $t: run 'TRACE=1 scripts/gpu.sh build'" | tee -a "$LOG"
+    return $SKIP
+  fi
+  read -ra args <<< "${BENCH_ARGS---shape qwen3 --quick --segments uniform}"
+  sub trace_gemm 300 env LD_LIBRARY_PATH="$PWD/$t:$LD_LIBRARY_PATH" "$t/bench_gemm" "${args[@]}"
 }
 
 # ---- main ------------------------------------------------------------------------------------------
