@@ -423,7 +423,7 @@ struct WgradFp8Params {
 };
 
 template <int Mode>
-struct WgradFp8Kind {
+struct WgradFp8Kind : DeferredWgradBf16<WgradFp8Kind<Mode>, 128> {
   using Cfg = Fp8TileConfig<128, kFp8PipeStages, 1, 128, true>;
   using Params = WgradFp8Params;
   using Problem = WgradFp8ProblemParams;
@@ -457,32 +457,11 @@ struct WgradFp8Kind {
     tma_load_2d(&pr.b_scales, bar, sb, 128 * t.n_tile, row / 128);
   }
   __device__ static float b_scale(const Params&, const KTile&, int, int) { return 1.0f; }  // per column instead
-  // bf16 output: deferred (consumer_warpgroup, kDeferredEpilogue). The tile is rounded into 32
-  // registers of bf16 pairs after its K loop and stored (one staging round, TMA) inside the next
-  // tile's K loop: at gpt-oss sizes a tile has 2 K blocks, so a store at the end of each tile left
-  // the tensor cores idle for about as long as its K loop.
+  // bf16 output: deferred as the bf16 wgrad's (DeferredWgradBf16, one 128-column round): at gpt-oss
+  // sizes a tile has 2 K blocks, so a store at the end of each tile left the tensor cores idle for about
+  // as long as its K loop.
   static constexpr bool kDeferredEpilogue = Mode == kWgradWriteBf16;
-  static constexpr int kDeferredPieces = 1;
-  struct Packed {
-    uint32_t v[32];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
-  };
-  struct Pending {
-    int problem, expert, m_tile, n_tile;
-  };
-  __device__ static Pending pending_of(const KTile& t) { return {t.problem, t.expert, t.m_tile, t.n_tile}; }
-  template <class Acc>
-  __device__ static void pack(const Params&, const KTile&, const EpiCtx&, const Acc& acc, Packed& out) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
-  }
-  __device__ static int piece_batch(const Params& p, int) { return p.defer_round0; }
-  template <int Piece>
-  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
-    static_assert(Piece == 0, "one store round");
-    const Problem& pr = p.problems[t.problem];
-    store_round<0, 0>(ctx, [&](int i) { return pk.v[i / 2]; },
-                      Box3dStore{&pr.out_map, 128 * t.n_tile, pr.n, 128 * t.m_tile + 64 * ctx.wg, pr.m, t.expert});
-  }
+  __device__ static const CUtensorMap* out_map(const Problem& pr) { return &pr.out_map; }
   // The fp32 outputs (sums; main grad += sums).
   template <class Acc>
   __device__ static void epilogue(const Params& p, const KTile& t, const EpiCtx& ctx, Acc& acc) {

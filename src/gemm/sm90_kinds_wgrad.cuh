@@ -34,13 +34,53 @@ struct WgradParams {
   int defer_wg1_shift = kDeferWg1Shift;  // warpgroup 1's pieces this many batches later
 };
 
+// The deferred bf16 store of a wgrad tile of kCols columns (the bf16 kind's 256, the FP8 kind's 128;
+// consumer_warpgroup, kDeferredEpilogue): the finished tile is rounded into kCols / 4 registers of bf16
+// pairs right after its K loop and stored in kCols / 128 rounds (staging + TMA) inside the next tile's
+// K loop, after batches Params::defer_round0 (and defer_round1). Derived supplies out_map(problem), the
+// bf16 [E, M, N] output's tensor map (box 64 x 64 x 1).
+template <class Derived, int kCols>
+struct DeferredWgradBf16 {
+  static_assert(kCols == 128 || kCols == 256, "one or two 128-column store rounds");
+  static constexpr int kDeferredPieces = kCols / 128;
+  struct Packed {
+    uint32_t v[kCols / 4];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
+  };
+  struct Pending {  // what the deferred store needs of a tile
+    int problem, expert, m_tile, n_tile;
+  };
+  __device__ static Pending pending_of(const KTile& t) { return {t.problem, t.expert, t.m_tile, t.n_tile}; }
+  template <class P, class Acc>
+  __device__ static void pack(const P&, const KTile&, const EpiCtx&, const Acc& acc, Packed& out) {
+#pragma unroll
+    for (int i = 0; i < kCols / 4; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
+  }
+  template <class P>
+  __device__ static int piece_batch(const P& p, int piece) {
+    if constexpr (kDeferredPieces == 1) {
+      return p.defer_round0;
+    } else {
+      return piece == 0 ? p.defer_round0 : p.defer_round1;
+    }
+  }
+  // Columns [128 * Half, 128 * Half + 128) of the tile: one store round.
+  template <int Half, class P>
+  __device__ static void store_piece(const P& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
+    const auto& pr = p.problems[t.problem];
+    const CUtensorMap* map = Derived::out_map(pr);
+    const int col0 = kCols * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
+    store_round<16 * Half, Half>(ctx, [&](int i) { return pk.v[i / 2]; },
+                                 Box3dStore{map, col0, pr.n, row0, pr.m, t.expert});
+  }
+};
+
 // The output mode is a template parameter: a runtime branch around the accumulator reads
 // makes ptxas serialise every wgmma (C7518). So is whether any problem of the launch carries
 // an fp32 partial to continue: without one (the common case) the seed is plain zeros instead
 // of 64 predicated-off loads with their address arithmetic per thread and tile, which at
 // 8 K steps per tile (DeepSeek-V3 sizes) sit on the critical path before every K loop.
 template <int Mode, int C, bool Seeded = true>
-struct WgradKind {
+struct WgradKind : DeferredWgradBf16<WgradKind<Mode, C, Seeded>, 256> {
   using Cfg = TileConfig<256, kPipeStages, Major::kMN, Major::kMN, C>;
 
   using Problem = WgradProblemParams;
@@ -57,28 +97,7 @@ struct WgradKind {
   // loop counts). Not in the others: the fp32 accumulate kernel measured 4-12 % slower with
   // it, and the seeding partial-output one spilled 4 bytes (docs/gemm.md).
   static constexpr bool kSegTable = Mode == kWgradWriteBf16 && !Seeded;
-  struct Packed {
-    uint32_t v[64];  // v[i / 2] = bf16x2 of fragment values (i, i + 1)
-  };
-  struct Pending {  // what the deferred store needs of a tile
-    int problem, expert, m_tile, n_tile;
-  };
-  __device__ static Pending pending_of(const KTile& t) { return {t.problem, t.expert, t.m_tile, t.n_tile}; }
-  template <class Acc>
-  __device__ static void pack(const Params&, const KTile&, const EpiCtx&, const Acc& acc, Packed& out) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) out.v[i] = pack_bf16x2(acc(2 * i), acc(2 * i + 1));
-  }
-  __device__ static int piece_batch(const Params& p, int piece) { return piece == 0 ? p.defer_round0 : p.defer_round1; }
-  // Columns [128 * Half, 128 * Half + 128) of the tile: one store round.
-  template <int Half>
-  __device__ static void store_piece(const Params& p, const Pending& t, const EpiCtx& ctx, const Packed& pk) {
-    const Problem& pr = p.problems[t.problem];
-    const CUtensorMap* map = &pr.out;
-    const int col0 = 256 * t.n_tile + 128 * Half, row0 = 128 * t.m_tile + 64 * ctx.wg;
-    store_round<16 * Half, Half>(ctx, [&](int i) { return pk.v[i / 2]; },
-                                 Box3dStore{map, col0, pr.n, row0, pr.m, t.expert});
-  }
+  __device__ static const CUtensorMap* out_map(const Problem& pr) { return &pr.out; }
 
   // NOTE: problems are reached through their address (grid-constant parameter space);
   // indexing the array by value would copy it to local memory.
