@@ -223,21 +223,35 @@ struct ColsCase {
   }
 };
 
-Outputs run_cols(const ColsCase& k, const Bits& x, gemm::NonFiniteRecord* rec) {
+// With row_codes_ld > 0 the row quantization of the same x too (QuantizeColsArgs::row_codes: codes
+// [rows][row_codes_ld], K-block major scales with ld rows); limit_dev: the optional device row limit.
+Outputs run_cols(const ColsCase& k, const Bits& x, gemm::NonFiniteRecord* rec, int64_t row_codes_ld = 0,
+                 const int64_t* limit_dev = nullptr) {
   DeviceBuffer<uint16_t> dx = device_input(x, k.x_off);
   DeviceBuffer<uint8_t> codes_t(static_cast<size_t>(k.cols * k.codes_t_ld_() + kTail));
   DeviceBuffer<float> scales_t(static_cast<size_t>(ceil128(k.rows) * k.scales_t_ld_() + kTail));
+  const bool rows_too = row_codes_ld > 0;
+  DeviceBuffer<uint8_t> codes(rows_too ? static_cast<size_t>(k.rows * row_codes_ld + kTail) : 1);
+  DeviceBuffer<float> scales(rows_too ? static_cast<size_t>(ceil128(k.cols) * k.rows + kTail) : 1);
   codes_t.poison();
   scales_t.poison();
+  codes.poison();
+  scales.poison();
   gemm::QuantizeColsArgs a;
   a.x = as_bf16(dx.ptr + k.x_off);
   a.rows = k.rows, a.cols = k.cols, a.ld = k.ld;
   a.codes_t = codes_t.ptr, a.codes_t_ld = k.codes_t_ld;
   a.scales_t = scales_t.ptr, a.scales_t_ld = k.scales_t_ld;
+  if (rows_too) {
+    a.row_codes = codes.ptr, a.row_codes_ld = row_codes_ld;
+    a.row_scales = scales.ptr;
+  }
   a.nonfinite = rec;
+  a.rows_limit = limit_dev;
   gemm::quantize_cols_128x1_transposed(a, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return {{}, codes_t.download(), {}, scales_t.download()};
+  if (!rows_too) return {{}, codes_t.download(), {}, scales_t.download()};
+  return {codes.download(), codes_t.download(), scales.download(), scales_t.download()};
 }
 
 // The reference on the transposed matrix: quantize_rows_1x128 of x^T [cols][rows].
@@ -524,31 +538,6 @@ TEST(Fp8Quantize, NonFiniteReportsFirstInRowMajorOrder) {
 // (QuantizeColsArgs::row_codes; the FP8 backward's dy): both outputs bit for bit the two quantizers',
 // on the vector path (one pass) and where the layouts fall back to two passes (odd ld, odd cols), with
 // a device row limit (rows past it untouched in both outputs) and non-finite values.
-Outputs run_cols_rows(const ColsCase& k, int64_t codes_ld, const Bits& x, gemm::NonFiniteRecord* rec,
-                      const int64_t* limit_dev) {
-  DeviceBuffer<uint16_t> dx = device_input(x, k.x_off);
-  DeviceBuffer<uint8_t> codes_t(static_cast<size_t>(k.cols * k.codes_t_ld_() + kTail));
-  DeviceBuffer<float> scales_t(static_cast<size_t>(ceil128(k.rows) * k.scales_t_ld_() + kTail));
-  DeviceBuffer<uint8_t> codes(static_cast<size_t>(k.rows * codes_ld + kTail));
-  DeviceBuffer<float> scales(static_cast<size_t>(ceil128(k.cols) * k.rows + kTail));
-  codes_t.poison();
-  scales_t.poison();
-  codes.poison();
-  scales.poison();
-  gemm::QuantizeColsArgs a;
-  a.x = as_bf16(dx.ptr + k.x_off);
-  a.rows = k.rows, a.cols = k.cols, a.ld = k.ld;
-  a.codes_t = codes_t.ptr, a.codes_t_ld = k.codes_t_ld;
-  a.scales_t = scales_t.ptr, a.scales_t_ld = k.scales_t_ld;
-  a.row_codes = codes.ptr, a.row_codes_ld = codes_ld;
-  a.row_scales = scales.ptr;
-  a.nonfinite = rec;
-  a.rows_limit = limit_dev;
-  gemm::quantize_cols_128x1_transposed(a, nullptr);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return {codes.download(), codes_t.download(), scales.download(), scales_t.download()};
-}
-
 TEST(Fp8Quantize, ColsWithRowsMatchBothQuantizers) {
   SKIP_WITHOUT_GPU();
   struct Case {
@@ -572,7 +561,7 @@ TEST(Fp8Quantize, ColsWithRowsMatchBothQuantizers) {
     x[bad] = kNaN;
     DeviceBuffer<int64_t> limit(1);
     cudaMemcpy(limit.ptr, &c.live, sizeof c.live, cudaMemcpyHostToDevice);
-    const Outputs got = run_cols_rows(k, c.codes_ld, x, rec.d.ptr, limit.ptr);
+    const Outputs got = run_cols(k, x, rec.d.ptr, c.codes_ld, limit.ptr);
     // want: the live rows of the input with the bad value zeroed, through each reference quantizer
     const Bits xz = zeroed(x, {bad});
     const Bits live(xz.begin(), xz.begin() + c.live * k.ld_());
