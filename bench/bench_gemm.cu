@@ -516,6 +516,7 @@ std::vector<Result> run_shape(const ModelShape& s, SegMode mode, int reps, cudaS
       const float ms8 = median_ms([&] { gemm1_swiglu_fp8(a8, L, stream); }, reps, stream);
       trace_report("gemm1_swiglu_fp8_gu8");
       res.push_back({"gemm1_swiglu_fp8_gu8", f1, ms8, dense(M, 2 * I, H), 0});
+      for (void* p : {(void*)a8.g_codes, (void*)a8.u_codes, (void*)a8.g_scales, (void*)a8.u_scales}) CK(cudaFree(p));
     }
     // dgrad of GEMM 1 in FP8 (dg, du codes: reuse h's buffer twice; W^T codes: reuse W_gate's,
     // W_up's of the same size [E, H, I]), beside dgrad_dx.
