@@ -96,6 +96,21 @@ __device__ inline uint32_t unpack_sanitize8(uint4 w, int col, unsigned long long
   return amax;
 }
 
+// One 1x128 row block held by a half-warp, 8 values a lane (v, largest |v| amax as fp32 bits; lanes
+// past the row's end hold zeros): the block's scale exponent k (amax over the half, half_mask) and
+// the lane's 8 codes of v * 2^-k (quantize_rows_vec_kernel's layout and math).
+__device__ inline int half_warp_scale_exponent(uint32_t amax, uint32_t half_mask) {
+#pragma unroll
+  for (int o = 8; o >= 1; o /= 2) amax = max(amax, __shfl_xor_sync(half_mask, amax, o));
+  return scale_exponent_bits(amax);
+}
+__device__ inline uint2 encode8(const uint16_t (&v)[8], float inv) {
+  uint2 q;
+  q.x = encode2(v[0], v[1], inv) | (static_cast<uint32_t>(encode2(v[2], v[3], inv)) << 16);
+  q.y = encode2(v[4], v[5], inv) | (static_cast<uint32_t>(encode2(v[6], v[7], inv)) << 16);
+  return q;
+}
+
 // Stores the lane's codes (q01: columns 2l, 2l+1; q23: 64+2l, 65+2l) of a segment of n codes.
 __device__ inline void store_segment(uint8_t* dst, int n, int lane, uint16_t q01, uint16_t q23) {
   if (n == kBlock && (reinterpret_cast<uintptr_t>(dst) & 1u) == 0) {
@@ -154,16 +169,8 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_vec_kernel(const RowsP
     if (c < n) {
       amax = unpack_sanitize8(*reinterpret_cast<const uint4*>(p.x + r * p.ld + c0 + c), c, r * p.cols + c0, p.rec, v);
     }
-#pragma unroll
-    for (int o = 8; o >= 1; o /= 2) amax = max(amax, __shfl_xor_sync(half_mask, amax, o));
-    const int k = scale_exponent_bits(amax);
-    const float inv = pow2_bits(-k);
-    if (c < n) {
-      uint2 q;
-      q.x = encode2(v[0], v[1], inv) | (static_cast<uint32_t>(encode2(v[2], v[3], inv)) << 16);
-      q.y = encode2(v[4], v[5], inv) | (static_cast<uint32_t>(encode2(v[6], v[7], inv)) << 16);
-      *reinterpret_cast<uint2*>(p.codes + r * p.codes_ld + c0 + c) = q;
-    }
+    const int k = half_warp_scale_exponent(amax, half_mask);
+    if (c < n) *reinterpret_cast<uint2*>(p.codes + r * p.codes_ld + c0 + c) = encode8(v, pow2_bits(-k));
     if (lane == 0) p.scales[b * p.scales_ld + r * p.scales_rs] = pow2_bits(k);
   }
 }
@@ -343,16 +350,8 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_vec_kernel(const ColsP
       }
       s.rows[(r * VecTileSmem::kPitch + col) / 8] = w;
       if (p.row_codes != nullptr) {  // uniform over the launch; every lane of a half takes part
-#pragma unroll
-        for (int o = 8; o >= 1; o /= 2) amax = max(amax, __shfl_xor_sync(half_mask, amax, o));
-        const int k = scale_exponent_bits(amax);
-        const float inv = pow2_bits(-k);
-        if (in) {
-          uint2 q;
-          q.x = encode2(v[0], v[1], inv) | (static_cast<uint32_t>(encode2(v[2], v[3], inv)) << 16);
-          q.y = encode2(v[4], v[5], inv) | (static_cast<uint32_t>(encode2(v[6], v[7], inv)) << 16);
-          *reinterpret_cast<uint2*>(p.row_codes + (r0 + r) * p.row_codes_ld + c0 + col) = q;
-        }
+        const int k = half_warp_scale_exponent(amax, half_mask);
+        if (in) *reinterpret_cast<uint2*>(p.row_codes + (r0 + r) * p.row_codes_ld + c0 + col) = encode8(v, pow2_bits(-k));
         if (r < nr && chunk == 0) p.row_scales[bc * p.row_scales_ld + r0 + r] = pow2_bits(k);
       }
     }

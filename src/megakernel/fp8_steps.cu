@@ -70,6 +70,17 @@ gemm::Fp8Transposed quantize_transposed(const bf16* x, int64_t rows, int64_t col
 
 const int64_t* padded_rows(const comm::ScheduleView& v) { return &v.header->padded_rows; }
 
+// dy's 1x128 rows (the dh GEMM's operand) into `rows_to`; with `t_to` dy^T too, from the same read
+// (backward_dgrad_fp8's dy_t_too).
+void quantize_dy(const bf16* dy, int64_t rows, int64_t hidden, Fp8Saved rows_to, const Fp8Codes* t_to,
+                 const int64_t* limit, gemm::NonFiniteRecord* rec, cudaStream_t stream) {
+  if (t_to != nullptr) {
+    quantize_transposed(dy, rows, hidden, *t_to, limit, rec, stream, &rows_to);
+  } else {
+    quantize_rows(dy, rows, hidden, rows_to, limit, rec, stream);
+  }
+}
+
 // The scales of the dispatched packed rows (fp8_row_bytes each, scales after the H codes) into the
 // K-block major [blocks][buffer_rows] the GEMMs read, for the schedule's live rows. A padding row
 // (zeroed by the dispatch) gets scale 1, what the quantizer gives a zero row; a real row's scale is
@@ -406,15 +417,9 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
   if (shared) {
     const gemm::Segments seg = shared_segments(fwd);
     const int64_t S = s.shared_intermediate;
-    if (dh) {
-      if (dy_t_too) {  // dy^T into x's buffer (backward_wgrad_fp8's dy_t_ready)
-        const Fp8Saved rows_to = q.shared_dy.out();
-        quantize_transposed(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, fwd.fp8->shared_x, nullptr,
-                            rec + kFp8SharedDy, stream, &rows_to);
-      } else {
-        quantize_rows(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy.out(), nullptr, rec + kFp8SharedDy,
-                      stream);
-      }
+    if (dh) {  // (dy^T into x's buffer: backward_wgrad_fp8's dy_t_ready)
+      quantize_dy(bwd.shared_dy.get(), fwd.shared_rows, s.hidden, q.shared_dy.out(),
+                  dy_t_too ? &fwd.fp8->shared_x : nullptr, nullptr, rec + kFp8SharedDy, stream);
       dgrad_hidden_fp8({seg, s.hidden, S, q.shared_dy.rows(), w.shared_down().w_t, saved.shared_g, saved.shared_u,
                         out.shared_dg, out.shared_du},
                        q.shared_dg, q.shared_du, rec + kFp8SharedDgDu, launch, stream);
@@ -427,15 +432,9 @@ void backward_dgrad_fp8(const comm::CommState& state, ForwardBuffers& fwd, Backw
     return;
   }
   const gemm::Segments seg{saved.seg_offsets, saved.seg_rows, static_cast<int>(s.local_experts()), bwd.buffer_rows};
-  if (dh) {
-    if (dy_t_too) {  // dy^T into x's buffer (backward_wgrad_fp8's dy_t_ready)
-      const Fp8Saved rows_to = q.dy.out();
-      quantize_transposed(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, fwd.fp8->x, padded_rows(saved.schedule),
-                          rec + kFp8Dy, stream, &rows_to);
-    } else {
-      quantize_rows(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, q.dy.out(), padded_rows(saved.schedule),
-                    rec + kFp8Dy, stream);
-    }
+  if (dh) {  // (dy^T into x's buffer: backward_wgrad_fp8's dy_t_ready)
+    quantize_dy(bwd.dy_rows.get(), bwd.buffer_rows, s.hidden, q.dy.out(), dy_t_too ? &fwd.fp8->x : nullptr,
+                padded_rows(saved.schedule), rec + kFp8Dy, stream);
     gemm::DgradHiddenFp8Args a{seg, s.hidden, s.intermediate, q.dy.rows(), w.down().w_t, saved.g, saved.u, out.dg,
                                out.du};
     a.row_w = bwd.row_w.get();
